@@ -1,0 +1,568 @@
+"""fastckpt's hot I/O path: whole-shard writes and region reads with fused xxh3-64 checksums.
+
+This is the only module that loads the C extension ``fastckpt._native_ext`` (``native/fastckpt_io.c``).
+Two interchangeable backends implement :class:`IOBackend`:
+
+* ``native`` -- the extension: worker pthreads keep several 16 MiB ``pwrite``/``pread`` requests in
+  flight while the calling thread hashes the same bytes; the GIL is released throughout.
+* ``python`` -- the same algorithm with ``os.pwrite``/``os.preadv`` on Python threads and the
+  ``xxhash`` package's streaming xxh3-64 (which releases the GIL on large updates).
+
+Both produce byte-identical files and identical hashes (xxh3-64, seed 0, as
+``xxhash.xxh3_64_intdigest``).  O_DIRECT is used when the buffer is 4096-aligned and long enough to
+pad the last block (see :func:`aligned_buffer`), and silently replaced by buffered I/O where the
+file system refuses it (EINVAL).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno as _errno
+import fcntl
+import itertools
+import mmap
+import os
+import threading
+from typing import Protocol, Sequence
+
+import xxhash
+
+__all__ = [
+    "ALIGN",
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_DEPTH",
+    "IOBackend",
+    "NativeBackend",
+    "PythonBackend",
+    "aligned_buffer",
+    "get_backend",
+    "native_available",
+    "native_error",
+]
+
+ALIGN = 4096
+DEFAULT_BLOCK_SIZE = 16 << 20  # per request; measured best of 1/4/8/16 MiB (native/README.md)
+DEFAULT_DEPTH = 4  # requests in flight (worker threads)
+_HASH_CHUNK = 1 << 20  # python backend: ranges are hashed per chunk while it is cache-warm
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+_BUILD_HINT = (
+    "build it with: apt-get install -y libxxhash-dev (provides xxhash.h), then "
+    "`pip install -e .` or `python setup.py build_ext --inplace` in the fastckpt checkout"
+)
+
+# --------------------------------------------------------------------------------------------
+# loading the extension
+# --------------------------------------------------------------------------------------------
+
+_ext = None
+_ext_error: str | None = None
+try:
+    from . import _native_ext as _ext  # type: ignore[attr-defined, no-redef]
+except Exception as e:  # ImportError, or a broken/ABI-mismatched .so
+    _ext = None
+    _ext_error = f"{type(e).__name__}: {e}"
+
+
+def native_available() -> bool:
+    """True when the C extension loaded."""
+    return _ext is not None
+
+
+def native_error() -> str | None:
+    """Why the C extension did not load (None when it did)."""
+    return None if _ext is not None else (_ext_error or "fastckpt._native_ext not loaded")
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _round_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def aligned_buffer(nbytes: int) -> memoryview:
+    """Page-aligned writable host memory (anonymous mmap), length rounded up to 4096.
+
+    The mmap stays alive as long as the returned memoryview (``view.obj`` is the mmap).
+    """
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    size = _round_up(nbytes)
+    if size == 0:  # mmap cannot map 0 bytes
+        return memoryview(mmap.mmap(-1, ALIGN))[:0]
+    return memoryview(mmap.mmap(-1, size))
+
+
+class _PyBuffer(ctypes.Structure):
+    _fields_ = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+_PyObject_GetBuffer = ctypes.pythonapi.PyObject_GetBuffer
+_PyObject_GetBuffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+_PyObject_GetBuffer.restype = ctypes.c_int
+_PyBuffer_Release = ctypes.pythonapi.PyBuffer_Release
+_PyBuffer_Release.argtypes = [ctypes.POINTER(_PyBuffer)]
+_PyBuffer_Release.restype = None
+
+
+def _address(obj) -> int:
+    """Address of the first byte of a buffer-protocol object (read-only ones too)."""
+    view = _PyBuffer()
+    if _PyObject_GetBuffer(obj, ctypes.byref(view), 0) != 0:  # pragma: no cover - raises instead
+        raise BufferError("cannot get buffer")
+    try:
+        return view.buf or 0
+    finally:
+        _PyBuffer_Release(ctypes.byref(view))
+
+
+def _byte_view(buf, *, writable: bool = False) -> memoryview:
+    mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+    if not mv.c_contiguous:
+        raise BufferError("buf must be a C-contiguous buffer")
+    if writable and mv.readonly:
+        raise TypeError("buf must be a writable buffer")
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")
+    return mv
+
+
+def _check_nbytes(mv: memoryview, nbytes: int) -> None:
+    if nbytes < 0 or nbytes > mv.nbytes:
+        raise ValueError(f"nbytes={nbytes} outside buffer of {mv.nbytes} bytes")
+
+
+def _check_ranges(ranges: Sequence[tuple[int, int]], nbytes: int) -> list[tuple[int, int]]:
+    out = []
+    for r in ranges:
+        off, ln = r
+        off, ln = int(off), int(ln)
+        if off < 0 or ln < 0 or off > nbytes or ln > nbytes - off:
+            raise ValueError(f"range ({off}, {ln}) outside [0, {nbytes})")
+        out.append((off, ln))
+    return out
+
+
+def _os_error(err: int, what: str, path: str, offset: int | None = None) -> OSError:
+    msg = f"{os.strerror(err)}: {what} {path}"
+    if offset is not None:
+        msg += f" at offset {offset}"
+    return OSError(err, msg)
+
+
+def _eof_error(path: str, nbytes: int, file_offset: int, size: int) -> EOFError:
+    return EOFError(f"{path}: expected {nbytes} bytes at offset {file_offset}, file ended at {size}")
+
+
+def _hash_with_ranges(mv: memoryview, nbytes: int, ranges: list[tuple[int, int]]) -> tuple[int, list[int]]:
+    """xxh3-64 of mv[:nbytes] and of each range, in one pass over cache-sized chunks."""
+    if not ranges:
+        return xxhash.xxh3_64_intdigest(mv[:nbytes]), []
+    out = [0] * len(ranges)
+    order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
+    empty = xxhash.xxh3_64_intdigest(b"")
+    for i, (off, ln) in enumerate(ranges):
+        if ln == 0:
+            out[i] = empty
+    full = xxhash.xxh3_64()
+    active: list[tuple[int, int, object]] = []  # (index, end, state)
+    p = 0
+    nr = len(order)
+    for c0 in range(0, nbytes, _HASH_CHUNK):
+        c1 = min(c0 + _HASH_CHUNK, nbytes)
+        full.update(mv[c0:c1])
+        if active:
+            still = []
+            for i, end, st in active:
+                e = min(end, c1)
+                st.update(mv[c0:e])
+                if end <= c1:
+                    out[i] = st.intdigest()
+                else:
+                    still.append((i, end, st))
+            active = still
+        while p < nr and ranges[order[p]][0] < c1:
+            i = order[p]
+            off, ln = ranges[i]
+            p += 1
+            if ln == 0:
+                continue
+            end = off + ln
+            if end <= c1:
+                out[i] = xxhash.xxh3_64_intdigest(mv[off:end])
+            else:
+                st = xxhash.xxh3_64()
+                st.update(mv[off:c1])
+                active.append((i, end, st))
+    return full.intdigest(), out
+
+
+# --------------------------------------------------------------------------------------------
+# the protocol
+# --------------------------------------------------------------------------------------------
+
+
+class IOBackend(Protocol):
+    name: str  # "native" or "python"
+
+    def write_file(self, path: str, buf, nbytes: int, ranges: Sequence[tuple[int, int]], *,
+                   direct: bool = True, fsync: bool = True) -> tuple[int, list[int]]:
+        """Create/truncate ``path`` (0o644) holding exactly ``buf[0:nbytes]``.
+
+        Returns ``(xxh3_64(buf[:nbytes]), [xxh3_64(buf[off:off+len]) for off, len in ranges])``,
+        hashed while writing.  O_DIRECT when ``direct`` and buf is 4096-aligned with
+        ``len(buf) >= round_up(nbytes, 4096)`` (the slack past nbytes is written, then truncated).
+        Preallocates nbytes; fsyncs when ``fsync``.  Errors: OSError naming path and offset.
+        """
+        ...
+
+    def read_into(self, path: str, file_offset: int, buf, nbytes: int, *, direct: bool = True) -> int:
+        """Read exactly nbytes at file_offset into writable ``buf[0:nbytes]``; return their xxh3_64.
+
+        O_DIRECT when ``direct``, buf 4096-aligned, file_offset % 4096 == 0 and
+        ``len(buf) >= round_up(nbytes, 4096)`` (the slack may receive bytes past nbytes).
+        A file too short raises EOFError naming the path.
+        """
+        ...
+
+    def hash(self, buf, nbytes: int) -> int:
+        """xxh3_64 of buf[0:nbytes]."""
+        ...
+
+
+# --------------------------------------------------------------------------------------------
+# native backend
+# --------------------------------------------------------------------------------------------
+
+
+class NativeBackend:
+    """The C extension (worker pthreads + fused xxh3, GIL released)."""
+
+    name = "native"
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, depth: int = DEFAULT_DEPTH) -> None:
+        if _ext is None:
+            raise ImportError(f"fastckpt native I/O extension unavailable ({native_error()}); {_BUILD_HINT}")
+        if block_size <= 0 or block_size % ALIGN:
+            raise ValueError("block_size must be a positive multiple of 4096")
+        self.block_size = block_size
+        self.depth = max(1, int(depth))
+
+    def write_file(self, path, buf, nbytes, ranges, *, direct=True, fsync=True):
+        h, rh = _ext.write_file(os.fspath(path), buf, nbytes, ranges, direct, fsync,
+                                self.block_size, self.depth)
+        return h, rh
+
+    def read_into(self, path, file_offset, buf, nbytes, *, direct=True):
+        return _ext.read_into(os.fspath(path), file_offset, buf, nbytes, direct, self.block_size, self.depth)
+
+    def hash(self, buf, nbytes):
+        return _ext.hash(buf, nbytes)
+
+    def __repr__(self) -> str:
+        return f"NativeBackend(block_size={self.block_size}, depth={self.depth})"
+
+
+# --------------------------------------------------------------------------------------------
+# pure-Python backend
+# --------------------------------------------------------------------------------------------
+
+
+class _Job:
+    """State shared by the I/O threads of one call."""
+
+    def __init__(self, fd: int, direct: bool, nblocks: int) -> None:
+        self.fd = fd
+        self.direct = direct
+        self.next = itertools.count()  # next() is atomic under the GIL
+        self.nblocks = nblocks
+        self.lock = threading.Lock()
+        self.cv = threading.Condition(self.lock)
+        self.done = [False] * nblocks
+        self.failed = False
+        self.err: tuple[int, int] | None = None  # (errno, file offset)
+        self.eof = False
+
+    def fail(self, err: int, off: int, eof: bool = False) -> None:
+        with self.cv:
+            if not self.failed:
+                self.failed = True
+                self.err = (err, off)
+                self.eof = eof
+            self.cv.notify_all()
+
+    def drop_direct(self) -> bool:
+        with self.lock:
+            if self.direct:
+                try:
+                    fl = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+                    fcntl.fcntl(self.fd, fcntl.F_SETFL, fl & ~_O_DIRECT)
+                except OSError:
+                    return False
+                self.direct = False
+            return True
+
+
+class PythonBackend:
+    """Pure Python: os.pwrite/os.preadv on threads + xxhash streaming; same files, same hashes."""
+
+    name = "python"
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, depth: int = DEFAULT_DEPTH) -> None:
+        if block_size <= 0 or block_size % ALIGN:
+            raise ValueError("block_size must be a positive multiple of 4096")
+        self.block_size = block_size
+        self.depth = max(1, int(depth))
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _run(self, job: _Job, worker, main) -> None:
+        """Run worker() on up to `depth` threads (inline for a single block) while main() runs here."""
+        nthreads = min(self.depth, job.nblocks) if job.nblocks > 1 else 0
+        started = []
+        for i in range(nthreads):
+            t = threading.Thread(target=worker, name=f"fastckpt-io-{i}", daemon=True)
+            try:
+                t.start()
+            except RuntimeError:  # cannot start a thread: do with what we have
+                break
+            started.append(t)
+        if not started:
+            worker()
+            if not job.failed:
+                main()
+            return
+        try:
+            main()
+        except BaseException:
+            with job.cv:
+                job.failed = True  # stop the workers; the exception propagates
+            raise
+        finally:
+            for t in started:
+                t.join()
+
+    # -- write ----------------------------------------------------------------------------
+
+    def write_file(self, path, buf, nbytes, ranges, *, direct=True, fsync=True):
+        path = os.fspath(path)
+        mv = _byte_view(buf)
+        _check_nbytes(mv, nbytes)
+        rlist = _check_ranges(ranges, nbytes)
+        use_direct = bool(direct and _O_DIRECT and nbytes > 0 and mv.nbytes >= _round_up(nbytes)
+                          and _address(mv) % ALIGN == 0)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC
+        fd = -1
+        if use_direct:
+            try:
+                fd = os.open(path, flags | _O_DIRECT, 0o644)
+            except OSError as e:
+                if e.errno != _errno.EINVAL:
+                    raise _os_error(e.errno, "opening", path) from None
+                use_direct = False
+        if fd < 0:
+            try:
+                fd = os.open(path, flags, 0o644)
+            except OSError as e:
+                raise _os_error(e.errno, "opening", path) from None
+        try:
+            if nbytes > 0:
+                try:
+                    os.posix_fallocate(fd, 0, nbytes)
+                except OSError as e:
+                    if e.errno not in (_errno.EOPNOTSUPP, _errno.ENOSYS, _errno.EINVAL):
+                        raise _os_error(e.errno, "preallocating", path, 0) from None
+            io_len = _round_up(nbytes) if use_direct else nbytes
+            bs = self.block_size
+            job = _Job(fd, use_direct, (io_len + bs - 1) // bs)
+            result: list = []
+
+            def worker() -> None:
+                while not job.failed:
+                    i = next(job.next)
+                    if i >= job.nblocks:
+                        return
+                    off = i * bs
+                    view = mv[off:min(off + bs, io_len)]
+                    retried = False
+                    while view:
+                        try:
+                            n = os.pwrite(fd, view, off)
+                        except OSError as e:
+                            if e.errno == _errno.EINVAL and job.direct and not retried:
+                                retried = True
+                                if job.drop_direct():
+                                    continue
+                            job.fail(e.errno, off)
+                            return
+                        if n == 0:
+                            job.fail(_errno.EIO, off)
+                            return
+                        view = view[n:]
+                        off += n
+
+            def main() -> None:
+                result.append(_hash_with_ranges(mv, nbytes, rlist))
+
+            self._run(job, worker, main)
+            if job.err is not None:
+                raise _os_error(job.err[0], "writing", path, job.err[1])
+            if io_len != nbytes:
+                try:
+                    os.ftruncate(fd, nbytes)
+                except OSError as e:
+                    raise _os_error(e.errno, "truncating", path, nbytes) from None
+            if fsync:
+                try:
+                    os.fsync(fd)
+                except OSError as e:
+                    raise _os_error(e.errno, "syncing", path) from None
+        except BaseException:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+            raise
+        try:
+            os.close(fd)
+        except OSError as e:
+            raise _os_error(e.errno, "closing", path) from None
+        return result[0]
+
+    # -- read -----------------------------------------------------------------------------
+
+    def read_into(self, path, file_offset, buf, nbytes, *, direct=True):
+        path = os.fspath(path)
+        mv = _byte_view(buf, writable=True)
+        _check_nbytes(mv, nbytes)
+        if file_offset < 0:
+            raise ValueError("file_offset must be >= 0")
+        use_direct = bool(direct and _O_DIRECT and nbytes > 0 and file_offset % ALIGN == 0
+                          and mv.nbytes >= _round_up(nbytes) and _address(mv) % ALIGN == 0)
+        flags = os.O_RDONLY | _O_CLOEXEC
+        fd = -1
+        if use_direct:
+            try:
+                fd = os.open(path, flags | _O_DIRECT)
+            except OSError as e:
+                if e.errno != _errno.EINVAL:
+                    raise _os_error(e.errno, "opening", path) from None
+                use_direct = False
+        if fd < 0:
+            try:
+                fd = os.open(path, flags)
+            except OSError as e:
+                raise _os_error(e.errno, "opening", path) from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < file_offset + nbytes:
+                raise _eof_error(path, nbytes, file_offset, size)
+            if nbytes == 0:
+                return xxhash.xxh3_64_intdigest(b"")
+            io_len = _round_up(nbytes) if use_direct else nbytes
+            bs = self.block_size
+            job = _Job(fd, use_direct, (io_len + bs - 1) // bs)
+            hasher = xxhash.xxh3_64()
+
+            def worker() -> None:
+                while not job.failed:
+                    i = next(job.next)
+                    if i >= job.nblocks:
+                        return
+                    start = i * bs
+                    end = min(start + bs, io_len)
+                    need = min(start + bs, nbytes) - start
+                    got = 0
+                    retried = False
+                    while start + got < end:
+                        was_direct = job.direct
+                        try:
+                            n = os.preadv(fd, [mv[start + got:end]], file_offset + start + got)
+                        except OSError as e:
+                            if e.errno == _errno.EINVAL and was_direct and not retried:
+                                retried = True
+                                if job.drop_direct():
+                                    continue
+                            job.fail(e.errno, file_offset + start + got)
+                            return
+                        if n == 0:
+                            break
+                        got += n
+                        if was_direct and n % ALIGN:
+                            break  # short O_DIRECT read: end of file
+                    if got < need:
+                        job.fail(0, file_offset + start + got, eof=True)
+                        return
+                    with job.cv:
+                        job.done[i] = True
+                        job.cv.notify_all()
+
+            def main() -> None:
+                for i in range(job.nblocks):
+                    with job.cv:
+                        while not job.done[i] and not job.failed:
+                            job.cv.wait()
+                        if job.failed:
+                            return
+                    start = i * bs
+                    end = min(start + bs, nbytes)
+                    if end > start:
+                        hasher.update(mv[start:end])
+
+            self._run(job, worker, main)
+            if job.err is not None:
+                if job.eof:
+                    raise _eof_error(path, nbytes, file_offset, os.fstat(fd).st_size)
+                raise _os_error(job.err[0], "reading", path, job.err[1])
+            return hasher.intdigest()
+        finally:
+            os.close(fd)
+
+    def hash(self, buf, nbytes):
+        mv = _byte_view(buf)
+        _check_nbytes(mv, nbytes)
+        return xxhash.xxh3_64_intdigest(mv[:nbytes])
+
+    def __repr__(self) -> str:
+        return f"PythonBackend(block_size={self.block_size}, depth={self.depth})"
+
+
+# --------------------------------------------------------------------------------------------
+# selection
+# --------------------------------------------------------------------------------------------
+
+_instances: dict[str, IOBackend] = {}
+_instances_lock = threading.Lock()
+
+
+def get_backend(mode: str = "auto") -> IOBackend:
+    """The I/O backend for ``mode``: "auto" (native if it loaded, else python), "require"
+    (native, or ImportError saying how to build it) or "off" (python).  Instances are cached."""
+    if mode not in ("auto", "require", "off"):
+        raise ValueError(f"io mode must be 'auto', 'require' or 'off', got {mode!r}")
+    if mode == "require" and _ext is None:
+        raise ImportError(f"fastckpt native I/O extension unavailable ({native_error()}); {_BUILD_HINT}")
+    name = "native" if mode != "off" and _ext is not None else "python"
+    with _instances_lock:
+        b = _instances.get(name)
+        if b is None:
+            b = NativeBackend() if name == "native" else PythonBackend()
+            _instances[name] = b
+        return b

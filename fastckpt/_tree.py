@@ -1,0 +1,398 @@
+"""Walking a user's state: tensors out, plain values into a JSON skeleton, and back.
+
+``flatten`` turns ``state`` (nested dicts/lists/tuples holding tensors, DTensors, modules,
+optimizers, Stateful objects and plain Python values) into
+
+* ``tensors``: ``{fqn: tensor}`` where ``fqn`` is the dotted key path, the same naming DCP's
+  ``flatten_state_dict`` uses (dict keys and list indices joined with ``"."``);
+* ``skeleton``: a JSON-serialisable copy of the structure in which every tensor is replaced by
+  ``{"$tensor": fqn}`` and plain values are kept as data (tuples, non-string dict keys and
+  non-finite floats are tagged so that they round-trip exactly). Nothing is ever pickled.
+
+``plan_load`` walks the destination state against a saved skeleton and returns the tensors to
+read (destination tensors, filled in place, or fresh ones allocated from the checkpoint's
+metadata) plus the callbacks that put plain values and sub-states back once the tensors are in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .errors import StateMismatchError, UnsupportedStateError
+
+TENSOR_TAG = "$tensor"
+
+try:  # DTensor is public since torch 2.5
+    from torch.distributed.tensor import DTensor
+except Exception:  # pragma: no cover - very old torch
+    DTensor = ()  # type: ignore[assignment]
+
+
+def is_dtensor(x: Any) -> bool:
+    return bool(DTensor) and isinstance(x, DTensor)
+
+
+def _fqn(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _path_str(path: tuple) -> str:
+    return _fqn(path) if path else "<root>"
+
+
+def _is_module(x: Any) -> bool:
+    return isinstance(x, torch.nn.Module)
+
+
+def _is_optimizer(x: Any) -> bool:
+    return isinstance(x, torch.optim.Optimizer)
+
+
+def _is_stateful(x: Any) -> bool:
+    return callable(getattr(x, "state_dict", None)) and callable(getattr(x, "load_state_dict", None))
+
+
+# ----------------------------------------------------------------------------------- plain values
+
+def encode_value(x: Any, path: tuple) -> Any:
+    """Encode a plain Python value as JSON data; raise UnsupportedStateError naming the path."""
+    if x is None or isinstance(x, bool):
+        return x
+    if isinstance(x, int):
+        return int(x)
+    if isinstance(x, float):
+        f = float(x)
+        if math.isfinite(f):
+            return f
+        return {"$float": "nan" if math.isnan(f) else ("inf" if f > 0 else "-inf")}
+    if isinstance(x, str):
+        return str(x)
+    if isinstance(x, list):
+        return [encode_value(v, path + (i,)) for i, v in enumerate(x)]
+    if isinstance(x, tuple):
+        return {"$tuple": [encode_value(v, path + (i,)) for i, v in enumerate(x)]}
+    if isinstance(x, dict):
+        if all(isinstance(k, str) and not k.startswith("$") for k in x):
+            return {k: encode_value(v, path + (k,)) for k, v in x.items()}
+        return {"$dict": [[encode_value(k, path + ("<key>",)), encode_value(v, path + (k,))]
+                          for k, v in x.items()]}
+    raise UnsupportedStateError(
+        f"cannot store a {type(x).__module__}.{type(x).__qualname__} at key path "
+        f"{_path_str(path)!r}: state may hold tensors, DTensors, modules, optimizers, objects with "
+        "state_dict()/load_state_dict(), and plain int/float/str/bool/None values in dicts, lists "
+        "and tuples (convert numpy values with .item() or .tolist())")
+
+
+def decode_value(x: Any, tensor_for: Callable[[str], Any] | None = None) -> Any:
+    """Inverse of the skeleton encoding; ``tensor_for(fqn)`` supplies tensors for references."""
+    if isinstance(x, list):
+        return [decode_value(v, tensor_for) for v in x]
+    if isinstance(x, dict):
+        if TENSOR_TAG in x:
+            if tensor_for is None:
+                raise StateMismatchError("unexpected tensor reference in plain data",
+                                         key=x[TENSOR_TAG])
+            return tensor_for(x[TENSOR_TAG])
+        if "$tuple" in x:
+            return tuple(decode_value(v, tensor_for) for v in x["$tuple"])
+        if "$dict" in x:
+            return {_hashable(decode_value(k)): decode_value(v, tensor_for) for k, v in x["$dict"]}
+        if "$float" in x:
+            return float(x["$float"])
+        return {k: decode_value(v, tensor_for) for k, v in x.items()}
+    return x
+
+
+def _hashable(k: Any) -> Any:
+    return tuple(_hashable(v) for v in k) if isinstance(k, list) else k
+
+
+def _skel_items(skel: Any) -> list[tuple[Any, Any]] | None:
+    """(key, child) pairs of a skeleton dict node, decoding non-string keys; None if not a dict."""
+    if not isinstance(skel, dict) or TENSOR_TAG in skel or "$tuple" in skel or "$float" in skel:
+        return None
+    if "$dict" in skel:
+        return [(_hashable(decode_value(k)), v) for k, v in skel["$dict"]]
+    return list(skel.items())
+
+
+def _skel_seq(skel: Any) -> list | None:
+    if isinstance(skel, list):
+        return skel
+    if isinstance(skel, dict) and "$tuple" in skel:
+        return skel["$tuple"]
+    return None
+
+
+# ------------------------------------------------------------------------------ adapters (objects)
+
+def _find_modules(state: Any, out: list) -> list:
+    if _is_module(state):
+        out.append(state)
+    elif isinstance(state, dict):
+        for v in state.values():
+            _find_modules(v, out)
+    elif isinstance(state, (list, tuple)):
+        for v in state:
+            _find_modules(v, out)
+    return out
+
+
+def _model_for(optim: torch.optim.Optimizer, modules: list) -> torch.nn.Module | None:
+    want = {id(p) for g in optim.param_groups for p in g["params"]}
+    for m in modules:
+        have = {id(p) for p in m.parameters()}
+        if want <= have:
+            return m
+    return None
+
+
+def _module_sd(m: torch.nn.Module) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    return get_model_state_dict(m)
+
+
+def _optim_sd(o: torch.optim.Optimizer, modules: list) -> tuple[dict, torch.nn.Module | None]:
+    model = _model_for(o, modules)
+    if model is None:
+        return o.state_dict(), None
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    return get_optimizer_state_dict(model, o), model
+
+
+# ----------------------------------------------------------------------------------------- flatten
+
+@dataclass
+class Flat:
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    skeleton: Any = None
+
+
+def flatten(state: Any) -> Flat:
+    """Flatten a user's state. Raises UnsupportedStateError before anything is written."""
+    if not isinstance(state, dict):
+        raise UnsupportedStateError(
+            f"state must be a dict (got {type(state).__qualname__}), e.g. "
+            "{'model': model, 'optim': optimizer, 'step': step}")
+    flat = Flat()
+    modules = _find_modules(state, [])
+    flat.skeleton = _flatten(state, (), flat, modules)
+    return flat
+
+
+def _flatten(x: Any, path: tuple, flat: Flat, modules: list) -> Any:
+    if isinstance(x, torch.Tensor):
+        return _tensor_ref(x, path, flat)
+    if _is_module(x):
+        return _flatten(_module_sd(x), path, flat, modules)
+    if _is_optimizer(x):
+        return _flatten(_optim_sd(x, modules)[0], path, flat, modules)
+    if isinstance(x, dict):
+        if all(isinstance(k, str) and not k.startswith("$") for k in x):
+            return {k: _flatten(v, path + (k,), flat, modules) for k, v in x.items()}
+        return {"$dict": [[encode_value(k, path), _flatten(v, path + (k,), flat, modules)]
+                          for k, v in x.items()]}
+    if isinstance(x, (list, tuple)):
+        seq = [_flatten(v, path + (i,), flat, modules) for i, v in enumerate(x)]
+        return seq if isinstance(x, list) else {"$tuple": seq}
+    if not isinstance(x, (str, bytes)) and _is_stateful(x):
+        return _flatten(x.state_dict(), path, flat, modules)
+    return encode_value(x, path)
+
+
+def _tensor_ref(t: torch.Tensor, path: tuple, flat: Flat) -> dict:
+    fqn = _fqn(path)
+    if t.layout != torch.strided or t.is_quantized or (not is_dtensor(t) and t.is_meta):
+        raise UnsupportedStateError(
+            f"cannot store tensor with layout {t.layout}{' (quantized)' if t.is_quantized else ''}"
+            f"{' on the meta device' if t.device.type == 'meta' else ''}; only dense strided "
+            "tensors are supported", key=fqn)
+    if fqn in flat.tensors:
+        raise UnsupportedStateError(f"two tensors map to the same key path {fqn!r}; rename one",
+                                    key=fqn)
+    flat.tensors[fqn] = t
+    return {TENSOR_TAG: fqn}
+
+
+# ---------------------------------------------------------------------------------------- plan load
+
+@dataclass
+class LoadPlan:
+    """What ``load`` must read (``targets``) and do afterwards (``finish``, in order)."""
+    targets: dict[str, torch.Tensor] = field(default_factory=dict)
+    finish: list[Callable[[], None]] = field(default_factory=list)
+
+
+def plan_load(state: dict, skeleton: Any, tensor_meta: dict[str, dict], *, strict: bool = True,
+              alloc: Callable[[str, dict], torch.Tensor]) -> LoadPlan:
+    """Match the destination ``state`` against the saved ``skeleton``.
+
+    ``tensor_meta`` maps fqn -> {"dtype": torch.dtype, "shape": tuple}; ``alloc(fqn, meta)``
+    allocates a tensor for a saved tensor the destination does not hold.
+    """
+    if not isinstance(state, dict):
+        raise UnsupportedStateError(f"state must be a dict (got {type(state).__qualname__})")
+    plan = LoadPlan()
+    modules = _find_modules(state, [])
+    _plan_container(state, skeleton, (), plan, tensor_meta, strict, alloc, modules)
+    return plan
+
+
+def _plan_container(dest: Any, skel: Any, path: tuple, plan: LoadPlan, meta: dict, strict: bool,
+                    alloc: Callable, modules: list, extra_ok: bool = True) -> None:
+    """Load into a mutable container (dict or list) in place.
+
+    Keys the checkpoint has and the destination lacks are added to plain dicts (``extra_ok``);
+    for a module's state dict they are an error in strict mode.
+    """
+    if isinstance(dest, dict):
+        items = _skel_items(skel)
+        if items is None:
+            raise StateMismatchError(f"checkpoint holds {_kind(skel)} where the state holds a dict",
+                                     key=_path_str(path))
+        saved = dict(items)
+        for k in dest:
+            if k not in saved:
+                if strict:
+                    raise StateMismatchError("missing from the checkpoint", key=_fqn(path + (k,)))
+                continue
+        for k, child in items:
+            if k not in dest:
+                if not extra_ok:
+                    if strict:
+                        raise StateMismatchError("in the checkpoint but not in the module",
+                                                 key=_fqn(path + (k,)))
+                    continue
+                # a key only the checkpoint has: a plain dict gets it (checkpoint-driven)
+                _assign_later(plan, dest, k, child, path + (k,), meta, alloc)
+                continue
+            _plan_slot(dest, k, child, path + (k,), plan, meta, strict, alloc, modules)
+        return
+    if isinstance(dest, list):
+        seq = _skel_seq(skel)
+        if seq is None or len(seq) != len(dest):
+            raise StateMismatchError(
+                f"checkpoint holds {_kind(skel)} where the state holds a list of {len(dest)}",
+                key=_path_str(path))
+        for i, child in enumerate(seq):
+            _plan_slot(dest, i, child, path + (i,), plan, meta, strict, alloc, modules)
+        return
+    raise StateMismatchError(f"cannot load into a {type(dest).__qualname__}", key=_path_str(path))
+
+
+def _kind(skel: Any) -> str:
+    if isinstance(skel, dict) and TENSOR_TAG in skel:
+        return "a tensor"
+    if _skel_seq(skel) is not None:
+        return f"a sequence of {len(_skel_seq(skel))}"
+    if _skel_items(skel) is not None:
+        return "a dict"
+    return f"the value {decode_value(skel)!r}"
+
+
+def _plan_slot(container: Any, k: Any, skel: Any, path: tuple, plan: LoadPlan, meta: dict,
+               strict: bool, alloc: Callable, modules: list) -> None:
+    dest = container[k]
+    if isinstance(dest, torch.Tensor):
+        _plan_tensor(dest, skel, path, plan, meta)
+        return
+    if _is_module(dest):
+        sd = _module_sd(dest)
+        _plan_container(sd, skel, path, plan, meta, strict, alloc, modules, extra_ok=False)
+
+        def load_module(m=dest, sd=sd):
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+            set_model_state_dict(m, sd)
+        plan.finish.append(load_module)
+        return
+    if _is_optimizer(dest):
+        sd, model = _optim_sd(dest, modules)
+        tree = _checkpoint_driven(sd, skel, path, plan, meta, alloc)
+
+        def load_optim(o=dest, model=model, tree=tree):
+            if model is None:
+                o.load_state_dict(tree)
+            else:
+                from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+                set_optimizer_state_dict(model, o, tree)
+        plan.finish.append(load_optim)
+        return
+    if isinstance(dest, (dict, list)):
+        _plan_container(dest, skel, path, plan, meta, strict, alloc, modules)
+        return
+    if isinstance(dest, tuple):
+        _assign_later(plan, container, k, skel, path, meta, alloc)
+        return
+    if not isinstance(dest, (str, bytes)) and _is_stateful(dest):
+        tree = _checkpoint_driven(dest.state_dict(), skel, path, plan, meta, alloc)
+        plan.finish.append(lambda o=dest, tree=tree: o.load_state_dict(tree))
+        return
+    # a plain value: replaced by the saved one
+    _assign_later(plan, container, k, skel, path, meta, alloc)
+
+
+def _plan_tensor(dest: torch.Tensor, skel: Any, path: tuple, plan: LoadPlan, meta: dict) -> None:
+    fqn = _fqn(path)
+    if not (isinstance(skel, dict) and TENSOR_TAG in skel):
+        raise StateMismatchError(f"checkpoint holds {_kind(skel)} where the state holds a tensor",
+                                 key=fqn)
+    saved_fqn = skel[TENSOR_TAG]
+    m = meta.get(saved_fqn)
+    if m is None:
+        raise StateMismatchError("tensor referenced by the manifest has no data entry", key=fqn)
+    if tuple(dest.shape) != tuple(m["shape"]):
+        raise StateMismatchError(
+            f"shape mismatch: checkpoint has {list(m['shape'])}, state has {list(dest.shape)}",
+            key=fqn)
+    if dest.dtype != m["dtype"]:
+        raise StateMismatchError(
+            f"dtype mismatch: checkpoint has {m['dtype']}, state has {dest.dtype}", key=fqn)
+    plan.targets[saved_fqn] = dest
+
+
+def _checkpoint_driven(dest_sd: Any, skel: Any, path: tuple, plan: LoadPlan, meta: dict,
+                       alloc: Callable) -> Any:
+    """Rebuild the saved sub-state, reusing destination tensors at the same key path in place.
+
+    Used for optimizers and Stateful objects whose ``state_dict()`` may not have the entries yet
+    (a freshly built Adam has no moments): the checkpoint decides what there is.
+    """
+    dest_tensors: dict[str, torch.Tensor] = {}
+    _collect_tensors(dest_sd, path, dest_tensors)
+
+    def tensor_for(fqn: str) -> torch.Tensor:
+        m = meta.get(fqn)
+        if m is None:
+            raise StateMismatchError("tensor referenced by the manifest has no data entry", key=fqn)
+        d = dest_tensors.get(fqn)
+        if d is not None and tuple(d.shape) == tuple(m["shape"]) and d.dtype == m["dtype"]:
+            plan.targets[fqn] = d
+            return d
+        t = alloc(fqn, m)
+        plan.targets[fqn] = t
+        return t
+    return decode_value(skel, tensor_for)
+
+
+def _collect_tensors(x: Any, path: tuple, out: dict) -> None:
+    if isinstance(x, torch.Tensor):
+        out[_fqn(path)] = x
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            _collect_tensors(v, path + (k,), out)
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            _collect_tensors(v, path + (i,), out)
+
+
+def _assign_later(plan: LoadPlan, container: Any, k: Any, skel: Any, path: tuple, meta: dict,
+                  alloc: Callable) -> None:
+    value = _checkpoint_driven({}, skel, path, plan, meta, alloc)
+
+    def assign(c=container, k=k, v=value):
+        c[k] = v
+    plan.finish.append(assign)

@@ -1,0 +1,588 @@
+"""The engine: ``Checkpointer`` (save/resume/load), its ``SaveHandle``, and one-shot helpers.
+
+Call sequence of ``Checkpointer.save(state, step=s)`` (every rank calls it, collectively):
+
+1. (all ranks, training thread) wait for this Checkpointer's previous save to finish writing
+   (back-pressure: one staging buffer, never a second), re-raising its failure if unreported.
+2. (all ranks, training thread) flatten ``state``: tensors out, plain values into a JSON
+   skeleton; unsupported objects raise ``UnsupportedStateError`` here, before anything is written.
+3. (all ranks, training thread) ``all_gather_object`` of each rank's chunk list and skeleton:
+   every rank computes the same global plan (the save id from rank 0; which rank writes each
+   chunk, replicated chunks written once, balanced by bytes; dtype/shape agreement).
+4. (all ranks, training thread) copy the rank's chunks into its aligned staging buffer, laid out
+   exactly as the shard file. ``save`` returns here: the handle is *staged*.
+5. (all ranks, background thread) write + fsync the shard file (checksums computed in the same
+   pass), fsync the directory, then the commit protocol of :mod:`fastckpt.commit`:
+   the coordinator (rank 0) gathers every rank's result through the store, writes the manifest
+   by tmp + fsync + rename + directory fsync (the commit point), updates the ``latest`` hint,
+   removes files of earlier attempts at the same step, applies retention; every rank learns the
+   outcome: the handle is *committed*, or fails naming the ranks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import _dist, _faults
+from . import format as fmt
+from ._native import aligned_buffer, get_backend
+from ._tree import flatten, is_dtensor, plan_load
+from .commit import commit
+from .errors import FastCkptError, SaveFailedError, UnsupportedStateError
+from .options import CheckpointOptions, options_from_env
+from .reader import FastCkptReader, find_step
+from .retention import apply_retention
+from .storage import Storage, open_storage
+
+log = logging.getLogger("fastckpt")
+
+
+# ------------------------------------------------------------------------------------ save plan
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """One chunk a rank holds: a box of a (global) tensor."""
+    fqn: str
+    dtype: str
+    shape: tuple  # global shape
+    offsets: tuple
+    sizes: tuple
+    nbytes: int
+    dtensor: bool
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    save_id: str
+    step: int
+    world_size: int
+    my_chunks: tuple  # ChunkSpecs this rank writes, in file order
+    file_offsets: tuple  # byte offset of each of my_chunks in the shard file
+    file_size: int
+    tensors: dict  # fqn -> {"dtype", "shape", "dtensor"}
+    trees: list  # per-rank skeletons
+
+
+def _local_chunks(tensors: dict[str, torch.Tensor]) -> tuple[list[ChunkSpec], dict]:
+    """This rank's chunks and, per (fqn, offsets), the local tensor holding the data."""
+    specs, data = [], {}
+    for fqn, t in tensors.items():
+        dtype = fmt.dtype_name(t.dtype)
+        if is_dtensor(t):
+            local = t.to_local()
+            chunks = t.__create_chunk_list__()
+            if len(chunks) != 1 or tuple(chunks[0].sizes) != tuple(local.shape):
+                raise UnsupportedStateError(
+                    f"DTensor placements {t.placements} give this rank a local tensor that is "
+                    "not a single box of the global tensor; not supported yet", key=fqn)
+            offsets, sizes = tuple(chunks[0].offsets), tuple(chunks[0].sizes)
+            shape = tuple(t.shape)
+        else:
+            local = t.detach()
+            offsets, sizes, shape = (0,) * t.dim(), tuple(t.shape), tuple(t.shape)
+        nbytes = local.numel() * local.element_size()
+        specs.append(ChunkSpec(fqn, dtype, shape, offsets, sizes, nbytes, is_dtensor(t)))
+        data[(fqn, offsets)] = local
+    return specs, data
+
+
+def make_plan(gathered: list[dict], rank: int, step: int) -> SavePlan:
+    """The global plan, computed identically on every rank from everyone's chunk lists."""
+    errors = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"]]
+    if errors:
+        r, msg = errors[0]
+        more = f" (and {len(errors) - 1} more rank(s))" if len(errors) > 1 else ""
+        raise UnsupportedStateError(f"rank {r} cannot save its state: {msg}{more}")
+    tensors: dict[str, dict] = {}
+    holders: dict[tuple, list[int]] = {}
+    spec_of: dict[tuple, ChunkSpec] = {}
+    for r, g in enumerate(gathered):
+        for s in g["specs"]:
+            s = ChunkSpec(*s)
+            meta = {"dtype": s.dtype, "shape": list(s.shape), "dtensor": s.dtensor}
+            prev = tensors.setdefault(s.fqn, meta)
+            if prev != meta:
+                raise UnsupportedStateError(
+                    f"ranks disagree on tensor {s.fqn!r}: {prev} on an earlier rank, {meta} on "
+                    f"rank {r}")
+            key = (s.fqn, s.offsets)
+            holders.setdefault(key, []).append(r)
+            spec_of[key] = s
+    load = [0] * len(gathered)
+    mine = []
+    # largest first, each to the least-loaded holder: replicated chunks are written once
+    for key in sorted(spec_of, key=lambda k: (-spec_of[k].nbytes, k[0], k[1])):
+        writer = min(holders[key], key=lambda r: (load[r], r))
+        load[writer] += spec_of[key].nbytes
+        if writer == rank:
+            mine.append(spec_of[key])
+    mine.sort(key=lambda s: (s.fqn, s.offsets))
+    offsets, pos = [], 0
+    for s in mine:
+        # large chunks start on a page (direct I/O reads straight from the file); small ones
+        # are packed at cache-line alignment so thousands of biases do not waste pages
+        pos = fmt.align_up(pos, fmt.ALIGN if s.nbytes >= fmt.SMALL_CHUNK else fmt.SMALL_ALIGN)
+        offsets.append(pos)
+        pos += s.nbytes
+    return SavePlan(save_id=gathered[0]["save_id"], step=step, world_size=len(gathered),
+                    my_chunks=tuple(mine), file_offsets=tuple(offsets), file_size=pos,
+                    tensors=tensors, trees=[g["tree"] for g in gathered])
+
+
+# --------------------------------------------------------------------------------------- staging
+
+class StagingBuffer:
+    """One page-aligned host buffer, reused by every save; grows only when the state grows."""
+
+    def __init__(self) -> None:
+        self.view: memoryview | None = None
+        self.tensor: torch.Tensor | None = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.view is None else len(self.view)
+
+    def ensure(self, nbytes: int) -> None:
+        need = fmt.align_up(max(nbytes, 1))
+        if self.capacity < need:
+            self.view = None
+            self.tensor = None
+            self.view = aligned_buffer(need)
+            self.tensor = torch.frombuffer(self.view, dtype=torch.uint8)
+
+    def stage(self, plan: SavePlan, data: dict) -> None:
+        self.ensure(plan.file_size)
+        assert self.tensor is not None
+        for spec, off in zip(plan.my_chunks, plan.file_offsets):
+            if spec.nbytes == 0:
+                continue
+            src = data[(spec.fqn, spec.offsets)]
+            if not src.is_contiguous():
+                src = src.contiguous()
+            self.tensor[off:off + spec.nbytes].copy_(src.reshape(-1).view(torch.uint8))
+        # zero the alignment gaps so the file bytes are deterministic
+        pos = 0
+        for spec, off in zip(plan.my_chunks, plan.file_offsets):
+            if off > pos:
+                self.tensor[pos:off].zero_()
+            pos = off + spec.nbytes
+
+
+# ---------------------------------------------------------------------------------------- handle
+
+class SaveHandle:
+    """The two completions of one save: *staged* and *committed*. Thread-safe.
+
+    ``staged`` is true once the state was copied: the tensors may be modified again.
+    ``wait()`` blocks until the save is committed (durable) and re-raises any failure of the
+    background write, naming the rank(s) and file.
+    """
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step = step
+        self.path = path
+        self._staged = threading.Event()
+        self._done = threading.Event()
+        self._exc: BaseException | None = None
+        self._reported = False
+        self.bytes_written = 0
+        self.timings: dict[str, float] = {}
+
+    @property
+    def staged(self) -> bool:
+        return self._staged.is_set()
+
+    @property
+    def committed(self) -> bool:
+        return self._done.is_set() and self._exc is None
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._done.wait(timeout)
+        return self._exc
+
+    def wait(self, timeout: float | None = None) -> "SaveHandle":
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"save of step {self.step} still running after {timeout}s")
+        if self._exc is not None:
+            self._reported = True
+            raise self._exc
+        return self
+
+    def _finish(self, exc: BaseException | None) -> None:
+        self._exc = exc
+        self._done.set()
+
+    def __repr__(self) -> str:
+        state = ("committed" if self.committed else "failed" if self.done()
+                 else "staged" if self.staged else "staging")
+        return f"<SaveHandle step={self.step} {state} {self.path}>"
+
+
+_SENTINEL = object()
+
+
+@dataclass
+class _Job:
+    plan: SavePlan
+    handle: SaveHandle
+    step_dir: str
+    user_meta: dict = field(default_factory=dict)
+    t0: float = 0.0
+
+
+# ------------------------------------------------------------------------------------ checkpointer
+
+class Checkpointer:
+    """Saves and loads one training job's checkpoints under ``root`` (a path or fsspec URL).
+
+    ``save`` and ``load``/``resume`` are collective: every rank of the default process group
+    calls them in the same order. Not thread-safe: call it from the training thread only (its
+    own background thread is internal). Use as a context manager or call ``close()``.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, keep_last: int | None = None,
+                 options: CheckpointOptions | None = None, storage_options: dict | None = None,
+                 **option_overrides: Any) -> None:
+        opts = options_from_env(options or CheckpointOptions())
+        if keep_last is not None:
+            option_overrides["keep_last"] = keep_last
+        self.options = opts.with_changes(**option_overrides) if option_overrides else opts
+        self.root = str(root)
+        self.storage: Storage = open_storage(self.root, io_mode=self.options.native,
+                                             direct_io=self.options.direct_io,
+                                             storage_options=storage_options)
+        self.rank = _dist.rank()
+        self.world_size = _dist.world_size()
+        self._exchange: _dist.Exchange | None = None
+        self._buffer = StagingBuffer()
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._last: SaveHandle | None = None
+        self._closed = False
+        self._checked_root = False
+        ref = weakref.ref(self)
+        self._atexit = lambda: (ref() and ref().close())  # type: ignore[union-attr]
+        atexit.register(self._atexit)
+
+    # -- properties ---------------------------------------------------------------------------
+    @property
+    def io_backend(self) -> str:
+        """"native" or "python": which I/O path writes and reads the shards."""
+        return get_backend(self.options.native).name
+
+    # -- save ---------------------------------------------------------------------------------
+    def save(self, state: dict, *, step: int, block: bool = False,
+             user_meta: dict | None = None) -> SaveHandle:
+        """Stage ``state`` and write it in the background as step ``step``; collective.
+
+        Returns once the state is staged (safe to modify); ``handle.wait()`` blocks until it is
+        committed. ``block=True`` waits here. A failure of the previous background save is
+        raised here if nobody observed it yet.
+        """
+        self._check_open()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        t0 = time.perf_counter()
+        self._drain_previous()
+        if not self._checked_root:
+            self.storage.check_writable()
+            self._checked_root = True
+        error = None
+        specs: list = []
+        tree: Any = None
+        data: dict = {}
+        try:
+            flat = flatten(state)
+            local, data = _local_chunks(flat.tensors)
+            specs = [tuple(s.__dict__.values()) for s in local]
+            tree = flat.skeleton
+            json.dumps(tree, allow_nan=False)
+        except (UnsupportedStateError, ValueError, TypeError) as e:
+            if self.world_size == 1:
+                raise
+            error = str(e)
+        gathered = _dist.all_gather_object(
+            {"save_id": uuid.uuid4().hex[:12], "specs": specs, "tree": tree, "error": error})
+        plan = make_plan(gathered, self.rank, step)
+        step_dir = self.storage.join(fmt.step_dirname(step))
+        handle = SaveHandle(step, step_dir)
+        t1 = time.perf_counter()
+        self._buffer.stage(plan, data)
+        handle.timings["plan_s"] = t1 - t0
+        handle.timings["stage_s"] = time.perf_counter() - t1
+        handle._staged.set()
+        _faults.point("after_stage", self.rank)
+        self._ensure_worker()
+        self._last = handle
+        self._queue.put(_Job(plan, handle, step_dir, dict(user_meta or {}), t0))
+        if block:
+            handle.wait()
+        return handle
+
+    def wait(self) -> None:
+        """Block until the last save is committed; raise its failure."""
+        if self._last is not None:
+            self._last.wait()
+
+    def _drain_previous(self) -> None:
+        last = self._last
+        if last is None:
+            return
+        last._done.wait()
+        if last._exc is not None and not last._reported:
+            last._reported = True
+            raise last._exc
+
+    def _ensure_worker(self) -> None:
+        if self._thread is None:
+            if self._exchange is None:
+                self._exchange = _dist.Exchange()
+            self._thread = threading.Thread(target=self._worker, name="fastckpt-writer",
+                                            daemon=True)
+            self._thread.start()
+
+    def _worker(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is _SENTINEL:
+                return
+            try:
+                self._write_and_commit(job)
+                job.handle._finish(None)
+            except BaseException as e:  # carried to the caller through the handle
+                log.error("fastckpt: rank %d: save of step %d failed: %s", self.rank,
+                          job.handle.step, e)
+                job.handle._finish(e)
+
+    def _write_and_commit(self, job: _Job) -> None:
+        plan, st, d = job.plan, self.storage, job.step_dir
+        marker = f"{d}/{fmt.INFLIGHT_PREFIX}{plan.save_id}"
+        name = fmt.shard_name(self.rank, plan.save_id)
+        result: dict[str, Any]
+        local_exc: BaseException | None = None
+        t0 = time.perf_counter()
+        try:
+            st.makedirs(d)
+            if self.rank == 0:
+                st.publish(marker, json.dumps({
+                    "save_id": plan.save_id, "created_unix": time.time(),
+                    "host": socket.gethostname(), "pid": os.getpid()}).encode())
+            chunks = []
+            if plan.file_size:
+                ranges = [(o, s.nbytes) for s, o in zip(plan.my_chunks, plan.file_offsets)]
+                if _faults.armed("mid_shard_write", self.rank):
+                    with open(f"{d}/{name}", "wb") as f:
+                        f.write(self._buffer.view[:plan.file_size // 2])  # type: ignore[index]
+                        f.flush()
+                        os.fsync(f.fileno())
+                    _faults.point("mid_shard_write", self.rank)
+                fh, hashes = st.write_shard(f"{d}/{name}", self._buffer.view, plan.file_size,
+                                            ranges)
+                for s, o, h in zip(plan.my_chunks, plan.file_offsets, hashes):
+                    chunks.append({"fqn": s.fqn, "offsets": list(s.offsets),
+                                   "sizes": list(s.sizes), "offset": o, "length": s.nbytes,
+                                   "checksum": fmt.hexdigest(h)})
+                result = {"ok": True, "file": name, "size": plan.file_size,
+                          "checksum": fmt.hexdigest(fh), "chunks": chunks}
+            else:
+                result = {"ok": True, "file": None, "size": 0, "chunks": []}
+            _faults.point("after_shard_write", self.rank)
+        except Exception as e:
+            local_exc = e
+            result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        t1 = time.perf_counter()
+        deadline = time.monotonic() + self.options.commit_timeout_s
+        try:
+            commit(self._exchange, save_id=plan.save_id, rank=self.rank,
+                   world_size=plan.world_size, result=result, deadline=deadline,
+                   coordinator=lambda results: self._coordinate(job, results))
+        except SaveFailedError as e:
+            if local_exc is not None and e.__cause__ is None:
+                raise e from local_exc
+            raise
+        job.handle.bytes_written = plan.file_size
+        job.handle.timings["write_s"] = t1 - t0
+        job.handle.timings["commit_s"] = time.perf_counter() - t1
+        job.handle.timings["total_s"] = time.perf_counter() - job.t0
+
+    def _coordinate(self, job: _Job, results: list[dict]) -> dict:
+        """(coordinator) Write the manifest for a save every rank completed; the commit point."""
+        plan, st, d = job.plan, self.storage, job.step_dir
+        files: dict[str, dict] = {}
+        tensors = {fqn: {**m, "chunks": []} for fqn, m in plan.tensors.items()}
+        for r, res in enumerate(results):
+            if res["file"] is None:
+                continue
+            files[res["file"]] = {"rank": r, "size": res["size"], "checksum": res["checksum"]}
+            for c in res["chunks"]:
+                tensors[c["fqn"]]["chunks"].append({
+                    "offsets": c["offsets"], "sizes": c["sizes"], "rank": r, "file": res["file"],
+                    "offset": c["offset"], "length": c["length"], "checksum": c["checksum"]})
+        body = fmt.new_manifest_body(step=plan.step, world_size=plan.world_size,
+                                     save_id=plan.save_id, files=files, tensors=tensors,
+                                     trees=plan.trees, user_meta=job.user_meta)
+        data = fmt.encode_manifest(body)
+        _faults.point("before_manifest", self.rank)
+        if _faults.armed("manifest_tmp_written", self.rank):
+            with open(f"{d}/.{fmt.MANIFEST}.tmp-fault", "wb") as f:
+                f.write(data[: len(data) // 2])
+            _faults.point("manifest_tmp_written", self.rank)
+        st.publish(f"{d}/{fmt.MANIFEST}", data)
+        _faults.point("after_manifest", self.rank)
+        # after the commit point: hints and housekeeping, none of which can undo the commit
+        try:
+            st.publish(st.join(fmt.LATEST), json.dumps({"step": plan.step}).encode())
+            keep = set(files) | {fmt.MANIFEST}
+            for n in st.listdir(d):
+                if n not in keep:
+                    st.remove(f"{d}/{n}")
+            _faults.point("during_retention", self.rank)
+            if self.options.keep_last is not None:
+                removed = apply_retention(st, self.options.keep_last, protect={plan.step})
+                if removed:
+                    log.info("fastckpt: retention removed steps %s", removed)
+        except Exception as e:  # the checkpoint is committed; housekeeping retries next time
+            log.warning("fastckpt: step %d committed, but cleanup failed: %s", plan.step, e)
+        return {"step": plan.step, "bytes": sum(f["size"] for f in files.values())}
+
+    # -- load ---------------------------------------------------------------------------------
+    def load(self, state: dict, *, step: int | None = None, strict: bool | None = None) -> int:
+        """Load ``step`` (default: the newest committed) into ``state`` in place; collective.
+
+        Returns the step. Raises CheckpointNotFoundError when there is none.
+        """
+        self._check_open()
+        self._drain_previous()
+        return load_into(self.storage, state, step=step, verify=self.options.verify,
+                         strict=self.options.strict if strict is None else strict)
+
+    def resume(self, state: dict) -> int | None:
+        """Load the newest committed checkpoint into ``state``; its step, or None if none."""
+        from .errors import CheckpointNotFoundError
+        try:
+            return self.load(state)
+        except CheckpointNotFoundError:
+            return None
+
+    def latest_step(self) -> int | None:
+        from .errors import CheckpointNotFoundError
+        try:
+            return find_step(self.storage)[0]
+        except CheckpointNotFoundError:
+            return None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FastCkptError("this Checkpointer is closed")
+
+    def close(self) -> None:
+        """Wait for in-flight saves, stop the writer thread; raise an unreported failure. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            atexit.unregister(self._atexit)
+        except Exception:
+            pass
+        if self._thread is not None:
+            self._queue.put(_SENTINEL)
+            self._thread.join()
+            self._thread = None
+        self._buffer = StagingBuffer()
+        last = self._last
+        if last is not None and last._exc is not None and not last._reported:
+            last._reported = True
+            raise last._exc
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------------------------------------ load
+
+def load_into(storage: Storage, state: dict, *, step: int | None = None, verify: bool = True,
+              strict: bool = True) -> int:
+    """(all ranks) Load a committed step into ``state`` in place; return the step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    rank, world = _dist.rank(), _dist.world_size()
+    err: BaseException | None = None
+    plan = reader = None
+    found_step = None
+    try:
+        found_step, d, body = find_step(storage, step)
+        mpath = f"{d}/{fmt.MANIFEST}"
+        tree = fmt.tree_for_rank(body, rank, world, file=mpath)
+        meta = fmt.tensor_meta(body, file=mpath)
+        plan = plan_load(state, tree, meta, strict=strict,
+                         alloc=lambda fqn, m: torch.empty(m["shape"], dtype=m["dtype"]))
+        reader = FastCkptReader(storage, body=body, step_dir=d, verify=verify, rank=rank)
+    except BaseException as e:
+        err = e
+    # agree before the collective read: one rank's problem must not hang the others
+    statuses = _dist.all_gather_object(
+        (found_step, None if err is None else f"{type(err).__name__}: {err}"))
+    if err is not None:
+        raise err
+    bad = [(r, m) for r, (_, m) in enumerate(statuses) if m]
+    if bad:
+        raise FastCkptError("load failed on other ranks: " +
+                            "; ".join(f"rank {r}: {m}" for r, m in bad))
+    steps = {s for s, _ in statuses}
+    if len(steps) != 1:
+        raise FastCkptError(f"ranks resolved different steps {sorted(steps)}; was the root "
+                            "written to while loading?")
+    assert plan is not None and reader is not None and found_step is not None
+    try:
+        dcp.load(plan.targets, storage_reader=reader,
+                 planner=DefaultLoadPlanner(allow_partial_load=not strict),
+                 no_dist=not _dist.initialized())
+    except CheckpointException as e:  # a BaseException in DCP: turn it into ours
+        failures = getattr(e, "failures", {}) or {}
+        mine = failures.get(rank)
+        if isinstance(mine, FastCkptError):
+            raise mine from None
+        detail = "; ".join(f"rank {r}: {x}" for r, x in sorted(failures.items()))
+        raise FastCkptError(f"load of step {found_step} failed: {detail or e}") from None
+    for fn in plan.finish:
+        fn()
+    return found_step
+
+
+# ------------------------------------------------------------------------------------- one-shots
+
+def save(state: dict, path: str | os.PathLike, *, step: int, **options: Any) -> SaveHandle:
+    """Save ``state`` as step ``step`` under ``path`` and block until it is committed."""
+    with Checkpointer(path, **options) as ck:
+        handle = ck.save(state, step=step)
+        handle.wait()
+    return handle
+
+
+def load(state: dict, path: str | os.PathLike, *, step: int | None = None,
+         **options: Any) -> int:
+    """Load ``step`` (default: newest committed) from ``path`` into ``state``; return the step."""
+    with Checkpointer(path, **options) as ck:
+        return ck.load(state, step=step)

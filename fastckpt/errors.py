@@ -1,0 +1,80 @@
+"""fastckpt's exceptions.
+
+Every error raised on purpose derives from :class:`FastCkptError` (an ``Exception``, never a
+``BaseException``), names what it concerns (rank, file, tensor key, byte offset) in its message,
+keeps those as attributes, and keeps the underlying exception as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FastCkptError",
+    "UnsupportedStateError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "StateMismatchError",
+    "StorageError",
+    "SaveFailedError",
+    "CommitTimeoutError",
+]
+
+
+class FastCkptError(Exception):
+    """Base class of every error fastckpt raises on purpose."""
+
+    def __init__(self, message: str, *, rank: int | None = None, file: str | None = None,
+                 key: str | None = None, offset: int | None = None) -> None:
+        self.rank = rank
+        self.file = file
+        self.key = key
+        self.offset = offset
+        parts = []
+        if rank is not None:
+            parts.append(f"rank {rank}")
+        if file is not None:
+            parts.append(f"file {file}")
+        if key is not None:
+            parts.append(f"tensor {key!r}")
+        if offset is not None:
+            parts.append(f"offset {offset}")
+        prefix = (", ".join(parts) + ": ") if parts else ""
+        super().__init__(prefix + message)
+
+
+class UnsupportedStateError(FastCkptError, TypeError):
+    """The state holds an object fastckpt cannot store (raised before anything is written)."""
+
+
+class CheckpointNotFoundError(FastCkptError, FileNotFoundError):
+    """No committed checkpoint (or not the requested step) exists under the root."""
+
+
+class CorruptCheckpointError(FastCkptError):
+    """A manifest or shard failed validation: bad JSON, wrong size, checksum mismatch."""
+
+
+class StateMismatchError(FastCkptError, ValueError):
+    """The state to load into does not fit the checkpoint (missing key, shape or dtype)."""
+
+
+class StorageError(FastCkptError, OSError):
+    """The storage refused an operation (unwritable root, full disk, unreachable bucket)."""
+
+
+class CommitTimeoutError(FastCkptError, TimeoutError):
+    """Ranks did not all report within the commit deadline; names the missing ranks."""
+
+    def __init__(self, message: str, *, missing_ranks: list[int] | None = None, **kw) -> None:
+        self.missing_ranks = list(missing_ranks or [])
+        super().__init__(message, **kw)
+
+
+class SaveFailedError(FastCkptError):
+    """A save failed on one or more ranks; ``failures`` maps rank -> message.
+
+    The previous committed checkpoint is untouched.
+    """
+
+    def __init__(self, message: str, *, failures: dict[int, str] | None = None, **kw) -> None:
+        self.failures = dict(failures or {})
+        super().__init__(message, **kw)

@@ -1,0 +1,79 @@
+"""Which steps exist, in which state, and removing the ones no longer wanted.
+
+A step directory is *committed* when it holds ``manifest.json``, else *partial* (a save that
+is running, crashed, or was interrupted). Removal deletes the manifest first, so a crash
+half-way through leaves a partial directory, never a committed step with shards missing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from . import format as fmt
+from .reader import list_steps
+from .storage import Storage
+
+#: a partial step whose in-flight marker is younger than this may still be written by someone
+INFLIGHT_GRACE_S = 3600.0
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    step: int
+    path: str
+    committed: bool
+    inflight_since: float | None  # newest in-flight marker's creation time, if any
+
+
+def scan(storage: Storage) -> list[StepInfo]:
+    out = []
+    for step, d in list_steps(storage):
+        names = storage.listdir(d)
+        since = None
+        for n in names:
+            if n.startswith(fmt.INFLIGHT_PREFIX):
+                try:
+                    t = float(json.loads(storage.read_bytes(f"{d}/{n}"))["created_unix"])
+                except Exception:
+                    t = 0.0
+                since = t if since is None else max(since, t)
+        out.append(StepInfo(step, d, fmt.MANIFEST in names, since))
+    return out
+
+
+def remove_step(storage: Storage, path: str) -> None:
+    storage.remove(f"{path}/{fmt.MANIFEST}")
+    storage.remove_dir(path)
+
+
+def plan_removal(infos: list[StepInfo], keep_last: int | None, *, protect: set[int] = frozenset(),
+                 now: float | None = None, force_partial: bool = False) -> list[StepInfo]:
+    """The steps to remove: old committed ones beyond ``keep_last`` and abandoned partial ones.
+
+    Never the newest committed step, never a step in ``protect``, never a partial step with a
+    recent in-flight marker unless ``force_partial``.
+    """
+    now = time.time() if now is None else now
+    committed = [i for i in infos if i.committed]
+    newest = committed[-1].step if committed else None
+    doomed = []
+    if keep_last is not None:
+        doomed += [i for i in committed[:-keep_last] if i.step != newest]
+    for i in infos:
+        if i.committed:
+            continue
+        recent = i.inflight_since is not None and now - i.inflight_since < INFLIGHT_GRACE_S
+        if force_partial or not recent:
+            doomed.append(i)
+    return [i for i in doomed if i.step not in protect]
+
+
+def apply_retention(storage: Storage, keep_last: int | None, *,
+                    protect: set[int] = frozenset()) -> list[int]:
+    removed = []
+    for info in plan_removal(scan(storage), keep_last, protect=protect):
+        remove_step(storage, info.path)
+        removed.append(info.step)
+    return removed

@@ -1,0 +1,98 @@
+"""The storage interface every backend implements."""
+
+from __future__ import annotations
+
+import abc
+import errno
+from typing import Sequence
+
+from ..errors import StorageError
+
+_HINTS = {
+    errno.ENOSPC: "the device is full: free space or point the checkpoint root elsewhere",
+    errno.EDQUOT: "the disk quota is exhausted",
+    errno.EACCES: "permission denied: check the root's ownership and mode",
+    errno.EPERM: "operation not permitted: check the root's ownership and mode",
+    errno.EROFS: "the file system is read-only",
+    errno.ENOENT: "no such file or directory",
+}
+
+
+def storage_error(e: BaseException, what: str, path: str, *, offset: int | None = None,
+                  rank: int | None = None) -> StorageError:
+    """Translate an OS/provider error into a StorageError that names the file and says why."""
+    code = getattr(e, "errno", None)
+    hint = _HINTS.get(code, str(e)) if code is not None else str(e)
+    err = StorageError(f"{what} failed: {hint}", file=path, offset=offset, rank=rank)
+    err.errno = code  # type: ignore[misc]
+    return err
+
+
+class Storage(abc.ABC):
+    """A checkpoint root. Paths passed to the methods are absolute within the backend.
+
+    Thread-safety: instances may be used from the training thread and the background writer
+    at the same time; no method keeps per-call state on the instance.
+    """
+
+    #: how ``publish`` makes a manifest appear atomically: "rename" or "put"
+    commit_strategy: str = "rename"
+
+    def __init__(self, root: str) -> None:
+        self.root = root.rstrip("/") or "/"
+
+    def join(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    @property
+    def is_local(self) -> bool:
+        return False
+
+    @abc.abstractmethod
+    def makedirs(self, path: str) -> None:
+        """Create a directory (and parents) durably; no-op on object stores."""
+
+    @abc.abstractmethod
+    def listdir(self, path: str) -> list[str]:
+        """Base names of the entries of ``path``; ``[]`` when it does not exist."""
+
+    @abc.abstractmethod
+    def read_bytes(self, path: str) -> bytes:
+        """Read a whole (small) file."""
+
+    @abc.abstractmethod
+    def size(self, path: str) -> int | None:
+        """Size in bytes, or None when the file does not exist."""
+
+    @abc.abstractmethod
+    def write_shard(self, path: str, buf, nbytes: int,
+                    ranges: Sequence[tuple[int, int]]) -> tuple[int, list[int]]:
+        """Write ``buf[:nbytes]`` durably to ``path``; return (file hash, hash of each range)."""
+
+    @abc.abstractmethod
+    def read_into(self, path: str, offset: int, buf, nbytes: int) -> int:
+        """Read ``nbytes`` at ``offset`` into ``buf``; return the xxh3-64 hash of them."""
+
+    @abc.abstractmethod
+    def publish(self, path: str, data: bytes) -> None:
+        """Make ``data`` appear at ``path`` atomically and durably (the commit point)."""
+
+    @abc.abstractmethod
+    def remove(self, path: str) -> None:
+        """Remove one file; missing is fine."""
+
+    @abc.abstractmethod
+    def remove_dir(self, path: str) -> None:
+        """Remove a directory and everything under it; missing is fine."""
+
+    def check_writable(self) -> None:
+        """Raise StorageError early when the root cannot be written."""
+        probe = self.join(".fastckpt-write-probe")
+        try:
+            self.makedirs(self.root)
+            self.publish(probe, b"ok")
+            self.remove(probe)
+        except StorageError:
+            raise
+        except Exception as e:
+            raise storage_error(e, "writing to the checkpoint root", self.root) from e

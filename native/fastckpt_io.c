@@ -1,0 +1,698 @@
+/*
+ * fastckpt._native_ext -- the hot I/O path of fastckpt.
+ *
+ * Writes a host buffer to a file (or reads a file region into a host buffer)
+ * with several pwrite()/pread() requests in flight on worker pthreads, while
+ * the calling thread computes XXH3-64 (seed 0) checksums of the same bytes in
+ * the same pass.  O_DIRECT is used when the buffer allows it and the file
+ * system accepts it; otherwise buffered I/O is used transparently.
+ *
+ * Plain C + CPython API, no torch linkage.  xxhash is compiled in from the
+ * header (XXH_INLINE_ALL), so there is no runtime library dependency.
+ *
+ * The GIL is released for all I/O and hashing.  Worker threads are created
+ * per call (no global pool), so the module is fork-safe.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE 1
+#endif
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#define FCK_ALIGN ((Py_ssize_t)4096)
+#define FCK_DEFAULT_BLOCK ((Py_ssize_t)16 << 20)
+#define FCK_DEFAULT_DEPTH 4
+#define FCK_MAX_DEPTH 64
+#define FCK_HASH_CHUNK ((Py_ssize_t)256 << 10) /* L2-sized: range hashes reuse it */
+#define FCK_NOGIL_HASH_MIN ((Py_ssize_t)16 << 10)
+
+static inline Py_ssize_t round_up(Py_ssize_t n, Py_ssize_t a) { return (n + a - 1) / a * a; }
+
+/* ------------------------------------------------------------------------ */
+/* Shared job state                                                          */
+/* ------------------------------------------------------------------------ */
+
+typedef struct {
+    int fd;
+    int writing;           /* 1 = write job, 0 = read job */
+    char *base;            /* buffer start */
+    Py_ssize_t nbytes;     /* logical bytes */
+    Py_ssize_t io_len;     /* bytes actually transferred (padded for O_DIRECT) */
+    long long file_offset; /* file position of base[0] */
+    Py_ssize_t block;
+    Py_ssize_t nblocks;
+    int direct;            /* O_DIRECT currently set on fd */
+
+    Py_ssize_t next;       /* next block to claim (atomic) */
+    int stop;              /* set on error (atomic) */
+
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    unsigned char *done;   /* reads: per-block completion flags (under mu) */
+    int err;               /* first error: errno (under mu) */
+    long long err_off;     /* file offset of the first error */
+    const char *err_what;  /* "writing", "reading" */
+    int eof;               /* read hit EOF before nbytes arrived */
+} job_t;
+
+static void job_fail(job_t *j, int err, long long off, const char *what, int eof) {
+    pthread_mutex_lock(&j->mu);
+    if (!j->err && !j->eof) {
+        j->err = err;
+        j->err_off = off;
+        j->err_what = what;
+        j->eof = eof;
+    }
+    __atomic_store_n(&j->stop, 1, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&j->cv);
+    pthread_mutex_unlock(&j->mu);
+}
+
+/* O_DIRECT was refused for this request (EINVAL): switch the open file to
+ * buffered I/O for everybody and let the caller retry. */
+static int drop_direct(job_t *j) {
+    pthread_mutex_lock(&j->mu);
+    int ok = 1;
+    if (__atomic_load_n(&j->direct, __ATOMIC_ACQUIRE)) {
+        int fl = fcntl(j->fd, F_GETFL);
+        if (fl < 0 || fcntl(j->fd, F_SETFL, fl & ~O_DIRECT) < 0)
+            ok = 0;
+        else
+            __atomic_store_n(&j->direct, 0, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&j->mu);
+    return ok;
+}
+
+/* Write base[off:off+len] at file position off; returns 0 or sets error. */
+static int write_block(job_t *j, Py_ssize_t off, Py_ssize_t len) {
+    Py_ssize_t done = 0;
+    int retried_direct = 0;
+    while (done < len) {
+        ssize_t r = pwrite(j->fd, j->base + off + done, (size_t)(len - done),
+                           (off_t)(j->file_offset + off + done));
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EINVAL && !retried_direct && __atomic_load_n(&j->direct, __ATOMIC_ACQUIRE)) {
+                int e = errno;
+                retried_direct = 1;
+                if (drop_direct(j)) continue;
+                errno = e;
+            }
+            job_fail(j, errno, j->file_offset + off + done, "writing", 0);
+            return -1;
+        }
+        if (r == 0) {
+            job_fail(j, EIO, j->file_offset + off + done, "writing", 0);
+            return -1;
+        }
+        done += r;
+    }
+    return 0;
+}
+
+/* Read into base[off:off+len]; at least `need` bytes must arrive. */
+static int read_block(job_t *j, Py_ssize_t off, Py_ssize_t len, Py_ssize_t need) {
+    Py_ssize_t done = 0;
+    int retried_direct = 0;
+    while (done < len) {
+        int was_direct = __atomic_load_n(&j->direct, __ATOMIC_ACQUIRE);
+        ssize_t r = pread(j->fd, j->base + off + done, (size_t)(len - done),
+                          (off_t)(j->file_offset + off + done));
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EINVAL && !retried_direct && was_direct) {
+                int e = errno;
+                retried_direct = 1;
+                if (drop_direct(j)) continue;
+                errno = e;
+            }
+            job_fail(j, errno, j->file_offset + off + done, "reading", 0);
+            return -1;
+        }
+        if (r == 0) break; /* EOF */
+        done += r;
+        if (was_direct && (r % FCK_ALIGN) != 0) break; /* short O_DIRECT read: EOF */
+    }
+    if (done < need) {
+        job_fail(j, 0, j->file_offset + off + done, "reading", 1);
+        return -1;
+    }
+    return 0;
+}
+
+static void *worker(void *arg) {
+    job_t *j = (job_t *)arg;
+    for (;;) {
+        if (__atomic_load_n(&j->stop, __ATOMIC_ACQUIRE)) break;
+        Py_ssize_t i = __atomic_fetch_add(&j->next, 1, __ATOMIC_ACQ_REL);
+        if (i >= j->nblocks) break;
+        Py_ssize_t off = i * j->block;
+        Py_ssize_t len = j->io_len - off;
+        if (len > j->block) len = j->block;
+        if (j->writing) {
+            if (write_block(j, off, len)) break;
+        } else {
+            Py_ssize_t need = j->nbytes - off;
+            if (need > j->block) need = j->block;
+            if (read_block(j, off, len, need)) break;
+            pthread_mutex_lock(&j->mu);
+            j->done[i] = 1;
+            pthread_cond_broadcast(&j->cv);
+            pthread_mutex_unlock(&j->mu);
+        }
+    }
+    return NULL;
+}
+
+/* Start up to `want` workers with all signals blocked (signals stay with the
+ * Python main thread).  Returns the number started (may be 0). */
+static int start_workers(job_t *j, pthread_t *th, int want) {
+    sigset_t all, old;
+    pthread_attr_t attr;
+    int n = 0;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, 256 << 10);
+    for (; n < want; n++)
+        if (pthread_create(&th[n], &attr, worker, j) != 0) break;
+    pthread_attr_destroy(&attr);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return n;
+}
+
+static void join_workers(pthread_t *th, int n) {
+    for (int i = 0; i < n; i++) pthread_join(th[i], NULL);
+}
+
+static int job_init(job_t *j) {
+    memset(j, 0, sizeof(*j));
+    j->fd = -1;
+    if (pthread_mutex_init(&j->mu, NULL)) return -1;
+    if (pthread_cond_init(&j->cv, NULL)) {
+        pthread_mutex_destroy(&j->mu);
+        return -1;
+    }
+    return 0;
+}
+
+static void job_destroy(job_t *j) {
+    pthread_cond_destroy(&j->cv);
+    pthread_mutex_destroy(&j->mu);
+    free(j->done);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Error helpers (GIL held)                                                  */
+/* ------------------------------------------------------------------------ */
+
+static void raise_os(int err, const char *what, const char *path, long long off, int with_off) {
+    PyObject *msg = with_off
+        ? PyUnicode_FromFormat("%s: %s %s at offset %lld", strerror(err), what, path, off)
+        : PyUnicode_FromFormat("%s: %s %s", strerror(err), what, path);
+    if (!msg) return;
+    PyObject *args = Py_BuildValue("(iN)", err, msg);
+    if (!args) return;
+    PyErr_SetObject(PyExc_OSError, args);
+    Py_DECREF(args);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Fused range hashing                                                       */
+/* ------------------------------------------------------------------------ */
+
+typedef struct {
+    long long off, len;
+    Py_ssize_t idx;
+} range_t;
+
+static int range_cmp(const void *a, const void *b) {
+    const range_t *x = a, *y = b;
+    if (x->off != y->off) return x->off < y->off ? -1 : 1;
+    return x->idx < y->idx ? -1 : (x->idx > y->idx);
+}
+
+typedef struct {
+    Py_ssize_t r;         /* index into sorted ranges */
+    XXH3_state_t *st;
+} active_t;
+
+/* Hash base[0:nbytes] (full) and every range, one pass over L2-sized chunks.
+ * Returns 0, or -1 on allocation failure. Runs without the GIL. */
+static int hash_with_ranges(const char *base, Py_ssize_t nbytes, range_t *rg, Py_ssize_t nr,
+                            uint64_t *out, uint64_t *full_out) {
+    XXH3_state_t *full = XXH3_createState();
+    active_t *act = NULL;
+    Py_ssize_t nact = 0, p = 0;
+    int rc = -1;
+    if (!full) return -1;
+    if (nr) {
+        act = (active_t *)calloc((size_t)nr, sizeof(active_t));
+        if (!act) goto done;
+    }
+    XXH3_64bits_reset(full);
+    /* zero-length ranges (may sit at offset nbytes) */
+    for (Py_ssize_t k = 0; k < nr; k++)
+        if (rg[k].len == 0) out[rg[k].idx] = XXH3_64bits(base, 0);
+    for (Py_ssize_t c0 = 0; c0 < nbytes; c0 += FCK_HASH_CHUNK) {
+        Py_ssize_t c1 = c0 + FCK_HASH_CHUNK;
+        if (c1 > nbytes) c1 = nbytes;
+        XXH3_64bits_update(full, base + c0, (size_t)(c1 - c0));
+        /* continue ranges started in earlier chunks */
+        for (Py_ssize_t a = 0; a < nact;) {
+            range_t *r = &rg[act[a].r];
+            long long end = r->off + r->len;
+            long long e = end < c1 ? end : c1;
+            XXH3_64bits_update(act[a].st, base + c0, (size_t)(e - c0));
+            if (end <= c1) {
+                out[r->idx] = XXH3_64bits_digest(act[a].st);
+                XXH3_freeState(act[a].st);
+                act[a] = act[--nact];
+            } else {
+                a++;
+            }
+        }
+        /* admit ranges starting in this chunk */
+        while (p < nr && rg[p].off < c1) {
+            range_t *r = &rg[p];
+            if (r->len > 0) {
+                long long end = r->off + r->len;
+                if (end <= c1) {
+                    out[r->idx] = XXH3_64bits(base + r->off, (size_t)r->len);
+                } else {
+                    XXH3_state_t *st = XXH3_createState();
+                    if (!st) goto done;
+                    XXH3_64bits_reset(st);
+                    XXH3_64bits_update(st, base + r->off, (size_t)(c1 - r->off));
+                    act[nact].r = p;
+                    act[nact].st = st;
+                    nact++;
+                }
+            }
+            p++;
+        }
+    }
+    *full_out = XXH3_64bits_digest(full);
+    rc = 0;
+done:
+    for (Py_ssize_t a = 0; a < nact; a++) XXH3_freeState(act[a].st);
+    free(act);
+    XXH3_freeState(full);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Argument helpers                                                          */
+/* ------------------------------------------------------------------------ */
+
+static int check_tuning(Py_ssize_t *block, int *depth) {
+    if (*block <= 0) *block = FCK_DEFAULT_BLOCK;
+    if (*block % FCK_ALIGN) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be a multiple of 4096");
+        return -1;
+    }
+    if (*depth <= 0) *depth = FCK_DEFAULT_DEPTH;
+    if (*depth > FCK_MAX_DEPTH) *depth = FCK_MAX_DEPTH;
+    return 0;
+}
+
+static int check_nbytes(Py_buffer *v, Py_ssize_t nbytes) {
+    if (nbytes < 0 || nbytes > v->len) {
+        PyErr_Format(PyExc_ValueError, "nbytes=%zd outside buffer of %zd bytes", nbytes, v->len);
+        return -1;
+    }
+    return 0;
+}
+
+/* Parse ranges into a freshly malloc'd array sorted by offset. */
+static int parse_ranges(PyObject *ranges, Py_ssize_t nbytes, range_t **out, Py_ssize_t *nout) {
+    PyObject *seq = PySequence_Fast(ranges, "ranges must be a sequence of (offset, length)");
+    if (!seq) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    range_t *rg = n ? (range_t *)PyMem_Malloc((size_t)n * sizeof(range_t)) : NULL;
+    if (n && !rg) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *it = PySequence_Fast_GET_ITEM(seq, i);
+        long long off, len;
+        PyObject *pair = PySequence_Fast(it, "each range must be an (offset, length) pair");
+        if (!pair) goto fail;
+        if (PySequence_Fast_GET_SIZE(pair) != 2) {
+            Py_DECREF(pair);
+            PyErr_SetString(PyExc_ValueError, "each range must be an (offset, length) pair");
+            goto fail;
+        }
+        off = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(pair, 0));
+        len = off == -1 && PyErr_Occurred() ? -1 : PyLong_AsLongLong(PySequence_Fast_GET_ITEM(pair, 1));
+        Py_DECREF(pair);
+        if (PyErr_Occurred()) goto fail;
+        if (off < 0 || len < 0 || off > (long long)nbytes || len > (long long)nbytes - off) {
+            PyErr_Format(PyExc_ValueError, "range (%lld, %lld) outside [0, %zd)", off, len, nbytes);
+            goto fail;
+        }
+        rg[i].off = off;
+        rg[i].len = len;
+        rg[i].idx = i;
+    }
+    Py_DECREF(seq);
+    if (n > 1) qsort(rg, (size_t)n, sizeof(range_t), range_cmp);
+    *out = rg;
+    *nout = n;
+    return 0;
+fail:
+    Py_DECREF(seq);
+    PyMem_Free(rg);
+    return -1;
+}
+
+/* ------------------------------------------------------------------------ */
+/* write_file                                                                */
+/* ------------------------------------------------------------------------ */
+
+PyDoc_STRVAR(write_file_doc,
+"write_file(path, buf, nbytes, ranges, direct=True, fsync=True, block_size=0, depth=0)\n"
+"--\n\n"
+"Create/truncate path and write buf[0:nbytes]; return (xxh3_64 of all, [xxh3_64 per range]).\n"
+"block_size/depth of 0 mean the defaults (16 MiB, 4 requests in flight).");
+
+static PyObject *py_write_file(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"path", "buf", "nbytes", "ranges", "direct", "fsync", "block_size", "depth", NULL};
+    PyObject *pathb = NULL, *bufobj, *ranges, *result = NULL, *lst = NULL;
+    Py_ssize_t nbytes, block = 0, nr = 0;
+    int direct = 1, do_fsync = 1, depth = 0;
+    Py_buffer view;
+    range_t *rg = NULL;
+    uint64_t *rh = NULL, full_hash = 0;
+    job_t job;
+    pthread_t th[FCK_MAX_DEPTH];
+    int nth = 0, hash_fail = 0;
+    /* error reporting (set without the GIL, raised after) */
+    int oerr = 0;
+    long long ooff = 0;
+    const char *owhat = NULL;
+    int owith_off = 1;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&OnO|ppni:write_file", kwlist, PyUnicode_FSConverter,
+                                     &pathb, &bufobj, &nbytes, &ranges, &direct, &do_fsync, &block, &depth))
+        return NULL;
+    if (PyObject_GetBuffer(bufobj, &view, PyBUF_SIMPLE) < 0) {
+        Py_DECREF(pathb);
+        return NULL;
+    }
+    const char *path = PyBytes_AS_STRING(pathb);
+    if (check_tuning(&block, &depth) || check_nbytes(&view, nbytes) ||
+        parse_ranges(ranges, nbytes, &rg, &nr))
+        goto out_nojob;
+    if (nr) {
+        rh = (uint64_t *)PyMem_Calloc((size_t)nr, sizeof(uint64_t));
+        if (!rh) {
+            PyErr_NoMemory();
+            goto out_nojob;
+        }
+    }
+    if (job_init(&job)) {
+        PyErr_SetString(PyExc_RuntimeError, "pthread init failed");
+        goto out_nojob;
+    }
+
+    int use_direct = direct && nbytes > 0 && ((uintptr_t)view.buf % FCK_ALIGN) == 0 &&
+                     view.len >= round_up(nbytes, FCK_ALIGN);
+
+    Py_BEGIN_ALLOW_THREADS
+    int fd = -1;
+    if (use_direct) {
+        fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644);
+        if (fd < 0 && errno == EINVAL) use_direct = 0;
+    }
+    if (fd < 0 && !use_direct) fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        oerr = errno; owhat = "opening"; owith_off = 0;
+    } else {
+        job.fd = fd;
+        job.writing = 1;
+        job.base = (char *)view.buf;
+        job.nbytes = nbytes;
+        job.io_len = use_direct ? round_up(nbytes, FCK_ALIGN) : nbytes;
+        job.block = block;
+        job.nblocks = (job.io_len + block - 1) / block;
+        job.direct = use_direct;
+        /* preallocate; ENOSPC must surface, "unsupported" is fine */
+        if (nbytes > 0 && fallocate(fd, 0, 0, (off_t)nbytes) != 0 && errno != EOPNOTSUPP &&
+            errno != ENOSYS && errno != EINVAL) {
+            oerr = errno; owhat = "preallocating"; ooff = 0;
+        }
+        if (!oerr) {
+            int want = job.nblocks > 1 ? (int)(job.nblocks < depth ? job.nblocks : depth) : 0;
+            nth = want ? start_workers(&job, th, want) : 0;
+            if (nth == 0) {
+                /* single block (or no threads): write then hash inline */
+                worker(&job);
+                if (!job.err && !job.eof)
+                    hash_fail = hash_with_ranges(job.base, nbytes, rg, nr, rh, &full_hash);
+            } else {
+                /* fused: hash on this thread while the workers write */
+                hash_fail = hash_with_ranges(job.base, nbytes, rg, nr, rh, &full_hash);
+                join_workers(th, nth);
+            }
+            if (job.err) {
+                oerr = job.err; owhat = job.err_what; ooff = job.err_off;
+            }
+        }
+        if (!oerr && job.io_len != nbytes && ftruncate(fd, (off_t)nbytes) != 0) {
+            oerr = errno; owhat = "truncating"; ooff = nbytes;
+        }
+        if (!oerr && do_fsync && fsync(fd) != 0) {
+            oerr = errno; owhat = "syncing"; ooff = 0; owith_off = 0;
+        }
+        if (close(fd) != 0 && !oerr) {
+            oerr = errno; owhat = "closing"; owith_off = 0;
+        }
+    }
+    Py_END_ALLOW_THREADS
+
+    job_destroy(&job);
+    if (oerr) {
+        raise_os(oerr, owhat, path, ooff, owith_off);
+        goto out_nojob;
+    }
+    if (hash_fail) {
+        PyErr_NoMemory();
+        goto out_nojob;
+    }
+    lst = PyList_New(nr);
+    if (!lst) goto out_nojob;
+    for (Py_ssize_t i = 0; i < nr; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(rh[i]);
+        if (!v) goto out_nojob;
+        PyList_SET_ITEM(lst, i, v);
+    }
+    result = Py_BuildValue("(NO)", PyLong_FromUnsignedLongLong(full_hash), lst);
+
+out_nojob:
+    Py_XDECREF(lst);
+    PyMem_Free(rh);
+    PyMem_Free(rg);
+    PyBuffer_Release(&view);
+    Py_DECREF(pathb);
+    return result;
+}
+
+/* ------------------------------------------------------------------------ */
+/* read_into                                                                 */
+/* ------------------------------------------------------------------------ */
+
+PyDoc_STRVAR(read_into_doc,
+"read_into(path, file_offset, buf, nbytes, direct=True, block_size=0, depth=0)\n"
+"--\n\n"
+"Read exactly nbytes at file_offset into buf[0:nbytes]; return their xxh3_64.");
+
+static PyObject *py_read_into(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"path", "file_offset", "buf", "nbytes", "direct", "block_size", "depth", NULL};
+    PyObject *pathb = NULL, *bufobj, *result = NULL;
+    long long file_offset;
+    Py_ssize_t nbytes, block = 0;
+    int direct = 1, depth = 0;
+    Py_buffer view;
+    job_t job;
+    pthread_t th[FCK_MAX_DEPTH];
+    int nth = 0;
+    uint64_t h = 0;
+    int oerr = 0, eof = 0, owith_off = 1;
+    long long ooff = 0, fsize = 0;
+    const char *owhat = NULL;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&LOn|pni:read_into", kwlist, PyUnicode_FSConverter, &pathb,
+                                     &file_offset, &bufobj, &nbytes, &direct, &block, &depth))
+        return NULL;
+    if (PyObject_GetBuffer(bufobj, &view, PyBUF_WRITABLE) < 0) {
+        Py_DECREF(pathb);
+        return NULL;
+    }
+    const char *path = PyBytes_AS_STRING(pathb);
+    if (file_offset < 0) {
+        PyErr_SetString(PyExc_ValueError, "file_offset must be >= 0");
+        goto out;
+    }
+    if (check_tuning(&block, &depth) || check_nbytes(&view, nbytes)) goto out;
+    if (job_init(&job)) {
+        PyErr_SetString(PyExc_RuntimeError, "pthread init failed");
+        goto out;
+    }
+
+    int use_direct = direct && nbytes > 0 && ((uintptr_t)view.buf % FCK_ALIGN) == 0 &&
+                     file_offset % FCK_ALIGN == 0 && view.len >= round_up(nbytes, FCK_ALIGN);
+
+    Py_BEGIN_ALLOW_THREADS
+    int fd = -1;
+    struct stat st;
+    if (use_direct) {
+        fd = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+        if (fd < 0 && errno == EINVAL) use_direct = 0;
+    }
+    if (fd < 0 && !use_direct) fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        oerr = errno; owhat = "opening"; owith_off = 0;
+    } else if (fstat(fd, &st) != 0) {
+        oerr = errno; owhat = "stat of"; owith_off = 0;
+    } else if ((long long)st.st_size < file_offset + (long long)nbytes) {
+        eof = 1;
+        fsize = (long long)st.st_size;
+    } else if (nbytes > 0) {
+        job.fd = fd;
+        job.writing = 0;
+        job.base = (char *)view.buf;
+        job.nbytes = nbytes;
+        job.io_len = use_direct ? round_up(nbytes, FCK_ALIGN) : nbytes;
+        job.file_offset = file_offset;
+        job.block = block;
+        job.nblocks = (job.io_len + block - 1) / block;
+        job.direct = use_direct;
+        XXH3_state_t *hs = XXH3_createState();
+        job.done = (unsigned char *)calloc((size_t)job.nblocks, 1);
+        if (!hs || !job.done) {
+            oerr = ENOMEM; owhat = "reading"; owith_off = 0;
+        } else {
+            XXH3_64bits_reset(hs);
+            int want = job.nblocks > 1 ? (int)(job.nblocks < depth ? job.nblocks : depth) : 0;
+            nth = want ? start_workers(&job, th, want) : 0;
+            if (nth == 0) {
+                worker(&job);
+                if (!job.err && !job.eof) XXH3_64bits_update(hs, job.base, (size_t)nbytes);
+            } else {
+                /* fused: hash blocks in order as they land */
+                for (Py_ssize_t i = 0; i < job.nblocks; i++) {
+                    pthread_mutex_lock(&job.mu);
+                    while (!job.done[i] && !job.err && !job.eof) pthread_cond_wait(&job.cv, &job.mu);
+                    int bad = job.err || job.eof;
+                    pthread_mutex_unlock(&job.mu);
+                    if (bad) break;
+                    Py_ssize_t off = i * block;
+                    Py_ssize_t len = nbytes - off;
+                    if (len > block) len = block;
+                    if (len > 0) XXH3_64bits_update(hs, job.base + off, (size_t)len);
+                }
+                join_workers(th, nth);
+            }
+            h = XXH3_64bits_digest(hs);
+            if (job.eof) {
+                eof = 1;
+                fsize = fstat(fd, &st) == 0 ? (long long)st.st_size : job.err_off;
+            } else if (job.err) {
+                oerr = job.err; owhat = job.err_what; ooff = job.err_off;
+            }
+        }
+        XXH3_freeState(hs);
+    } else {
+        h = XXH3_64bits(view.buf, 0);
+    }
+    if (fd >= 0) close(fd);
+    Py_END_ALLOW_THREADS
+
+    job_destroy(&job);
+    if (eof) {
+        PyErr_Format(PyExc_EOFError, "%s: expected %zd bytes at offset %lld, file ended at %lld", path, nbytes,
+                     file_offset, fsize);
+    } else if (oerr) {
+        raise_os(oerr, owhat, path, ooff, owith_off);
+    } else {
+        result = PyLong_FromUnsignedLongLong(h);
+    }
+out:
+    PyBuffer_Release(&view);
+    Py_DECREF(pathb);
+    return result;
+}
+
+/* ------------------------------------------------------------------------ */
+/* hash                                                                      */
+/* ------------------------------------------------------------------------ */
+
+PyDoc_STRVAR(hash_doc, "hash(buf, nbytes)\n--\n\nxxh3_64 (seed 0) of buf[0:nbytes].");
+
+static PyObject *py_hash(PyObject *self, PyObject *args) {
+    PyObject *bufobj;
+    Py_ssize_t nbytes;
+    Py_buffer view;
+    uint64_t h;
+    if (!PyArg_ParseTuple(args, "On:hash", &bufobj, &nbytes)) return NULL;
+    if (PyObject_GetBuffer(bufobj, &view, PyBUF_SIMPLE) < 0) return NULL;
+    if (check_nbytes(&view, nbytes)) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    if (nbytes >= FCK_NOGIL_HASH_MIN) {
+        Py_BEGIN_ALLOW_THREADS
+        h = XXH3_64bits(view.buf, (size_t)nbytes);
+        Py_END_ALLOW_THREADS
+    } else {
+        h = XXH3_64bits(view.buf, (size_t)nbytes);
+    }
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+/* ------------------------------------------------------------------------ */
+
+static PyMethodDef methods[] = {
+    {"write_file", (PyCFunction)(void (*)(void))py_write_file, METH_VARARGS | METH_KEYWORDS, write_file_doc},
+    {"read_into", (PyCFunction)(void (*)(void))py_read_into, METH_VARARGS | METH_KEYWORDS, read_into_doc},
+    {"hash", py_hash, METH_VARARGS, hash_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moddef = {
+    PyModuleDef_HEAD_INIT, "fastckpt._native_ext",
+    "Native hot I/O path of fastckpt (fused write/read + xxh3_64). Load via fastckpt._native.",
+    -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__native_ext(void) {
+    PyObject *m = PyModule_Create(&moddef);
+    if (!m) return NULL;
+    if (PyModule_AddIntConstant(m, "DEFAULT_BLOCK_SIZE", (long)FCK_DEFAULT_BLOCK) ||
+        PyModule_AddIntConstant(m, "DEFAULT_DEPTH", FCK_DEFAULT_DEPTH) ||
+        PyModule_AddIntConstant(m, "ALIGN", (long)FCK_ALIGN) ||
+        PyModule_AddIntConstant(m, "XXH_VERSION", XXH_VERSION_NUMBER)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
