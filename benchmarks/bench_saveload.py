@@ -294,6 +294,24 @@ def fmt_sample(s: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
+def run_pair(c: str, path: str, rep: int, geom: dict[str, Any], args,
+             samples: list[dict[str, Any]]) -> None:
+    """Save then (cold) load one contender into/from ``path``; append both samples."""
+    for op in OPS:
+        if op == "load" and not samples[-1].get("ok"):
+            s = {"ok": False, "error": "skipped: save failed"}
+        elif c == "fio":
+            s = fio_sample("write" if op == "save" else "read", path,
+                           geom["state_bytes"], args)
+        else:
+            s = child_sample(c, op, path, rep, geom, args)
+        s.update(contender=c, op=op, rep=rep, path=path)
+        if op == "save" and s.get("ok"):
+            s["disk_bytes"] = dir_bytes(path)
+        samples.append(s)
+        print(f"  {c:9s} {op:4s} {fmt_sample(s)}", flush=True)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -375,20 +393,10 @@ def main(argv: list[str]) -> int:
         for c in order:
             path = os.path.join(args.dir, f"{c}-r{rep}")
             rm_rf(path)
-            for op in OPS:
-                if op == "load" and not samples[-1].get("ok"):
-                    s = {"ok": False, "error": "skipped: save failed"}
-                elif c == "fio":
-                    s = fio_sample("write" if op == "save" else "read", path,
-                                   geom["state_bytes"], args)
-                else:
-                    s = child_sample(c, op, path, rep, geom, args)
-                s.update(contender=c, op=op, rep=rep, path=path)
-                if op == "save" and s.get("ok"):
-                    s["disk_bytes"] = dir_bytes(path)
-                samples.append(s)
-                print(f"  {c:9s} {op:4s} {fmt_sample(s)}", flush=True)
-            rm_rf(path)
+            try:
+                run_pair(c, path, rep, geom, args, samples)
+            finally:  # also on Ctrl-C: don't leave GiBs behind
+                rm_rf(path)
 
     # --- correctness: every load must reproduce the saved state
     save_fp = {(s["contender"], s["rep"]): s.get("fingerprint") for s in samples

@@ -43,7 +43,7 @@ __all__ = [
 ALIGN = 4096
 DEFAULT_BLOCK_SIZE = 16 << 20  # per request; measured best of 1/4/8/16 MiB (native/README.md)
 DEFAULT_DEPTH = 4  # requests in flight (worker threads)
-_HASH_CHUNK = 1 << 20  # python backend: ranges are hashed per chunk while it is cache-warm
+_RANGES_THREAD_MIN = 4 << 20  # hash the ranges on a second thread when they total this much
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -138,7 +138,7 @@ def _byte_view(buf, *, writable: bool = False) -> memoryview:
     if not mv.c_contiguous:
         raise BufferError("buf must be a C-contiguous buffer")
     if writable and mv.readonly:
-        raise TypeError("buf must be a writable buffer")
+        raise BufferError("buf must be a writable buffer")
     if mv.ndim != 1 or mv.format != "B":
         mv = mv.cast("B")
     return mv
@@ -171,47 +171,9 @@ def _eof_error(path: str, nbytes: int, file_offset: int, size: int) -> EOFError:
     return EOFError(f"{path}: expected {nbytes} bytes at offset {file_offset}, file ended at {size}")
 
 
-def _hash_with_ranges(mv: memoryview, nbytes: int, ranges: list[tuple[int, int]]) -> tuple[int, list[int]]:
-    """xxh3-64 of mv[:nbytes] and of each range, in one pass over cache-sized chunks."""
-    if not ranges:
-        return xxhash.xxh3_64_intdigest(mv[:nbytes]), []
-    out = [0] * len(ranges)
-    order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
-    empty = xxhash.xxh3_64_intdigest(b"")
-    for i, (off, ln) in enumerate(ranges):
-        if ln == 0:
-            out[i] = empty
-    full = xxhash.xxh3_64()
-    active: list[tuple[int, int, object]] = []  # (index, end, state)
-    p = 0
-    nr = len(order)
-    for c0 in range(0, nbytes, _HASH_CHUNK):
-        c1 = min(c0 + _HASH_CHUNK, nbytes)
-        full.update(mv[c0:c1])
-        if active:
-            still = []
-            for i, end, st in active:
-                e = min(end, c1)
-                st.update(mv[c0:e])
-                if end <= c1:
-                    out[i] = st.intdigest()
-                else:
-                    still.append((i, end, st))
-            active = still
-        while p < nr and ranges[order[p]][0] < c1:
-            i = order[p]
-            off, ln = ranges[i]
-            p += 1
-            if ln == 0:
-                continue
-            end = off + ln
-            if end <= c1:
-                out[i] = xxhash.xxh3_64_intdigest(mv[off:end])
-            else:
-                st = xxhash.xxh3_64()
-                st.update(mv[off:c1])
-                active.append((i, end, st))
-    return full.intdigest(), out
+def _hash_ranges(mv: memoryview, ranges: list[tuple[int, int]]) -> list[int]:
+    h = xxhash.xxh3_64_intdigest
+    return [h(mv[off:off + ln]) for off, ln in ranges]
 
 
 # --------------------------------------------------------------------------------------------
@@ -419,7 +381,22 @@ class PythonBackend:
                         off += n
 
             def main() -> None:
-                result.append(_hash_with_ranges(mv, nbytes, rlist))
+                # the full hash here, the ranges on a second thread (xxhash releases the GIL
+                # on large inputs), while the workers write
+                out: list = []
+                rt = None
+                if job.nblocks > 1 and sum(ln for _, ln in rlist) >= _RANGES_THREAD_MIN:
+                    rt = threading.Thread(target=lambda: out.append(_hash_ranges(mv, rlist)), daemon=True)
+                    try:
+                        rt.start()
+                    except RuntimeError:
+                        rt = None
+                full = xxhash.xxh3_64_intdigest(mv[:nbytes])
+                if rt is not None:
+                    rt.join()
+                else:
+                    out.append(_hash_ranges(mv, rlist))
+                result.append((full, out[0]))
 
             self._run(job, worker, main)
             if job.err is not None:

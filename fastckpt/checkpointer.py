@@ -30,6 +30,7 @@ import socket
 import threading
 import time
 import uuid
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -453,10 +454,10 @@ class Checkpointer:
                 if n not in keep:
                     st.remove(f"{d}/{n}")
             _faults.point("during_retention", self.rank)
-            if self.options.keep_last is not None:
-                removed = apply_retention(st, self.options.keep_last, protect={plan.step})
-                if removed:
-                    log.info("fastckpt: retention removed steps %s", removed)
+            removed = apply_retention(st, self.options.keep_last, protect={plan.step},
+                                      force_partial=True)
+            if removed:
+                log.info("fastckpt: retention removed steps %s", removed)
         except Exception as e:  # the checkpoint is committed; housekeeping retries next time
             log.warning("fastckpt: step %d committed, but cleanup failed: %s", plan.step, e)
         return {"step": plan.step, "bytes": sum(f["size"] for f in files.values())}
@@ -556,9 +557,11 @@ def load_into(storage: Storage, state: dict, *, step: int | None = None, verify:
                             "written to while loading?")
     assert plan is not None and reader is not None and found_step is not None
     try:
-        dcp.load(plan.targets, storage_reader=reader,
-                 planner=DefaultLoadPlanner(allow_partial_load=not strict),
-                 no_dist=not _dist.initialized())
+        with warnings.catch_warnings():  # DCP warns whenever it runs without a process group
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(plan.targets, storage_reader=reader,
+                     planner=DefaultLoadPlanner(allow_partial_load=not strict),
+                     no_dist=not _dist.initialized())
     except CheckpointException as e:  # a BaseException in DCP: turn it into ours
         failures = getattr(e, "failures", {}) or {}
         mine = failures.get(rank)

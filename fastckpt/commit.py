@@ -69,7 +69,8 @@ def commit(exchange: Any, *, save_id: str, rank: int, world_size: int, result: d
         if missing_ranks and not failures:
             raise CommitTimeoutError(
                 f"save {save_id}: rank(s) {missing_ranks} did not report within the deadline "
-                f"({_late(deadline)}); nothing was committed, the previous checkpoint is intact",
+                f"({_late(deadline)}); nothing was committed, the previous committed checkpoint "
+                "is intact",
                 missing_ranks=missing_ranks, rank=rank)
         detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
         if missing_ranks:

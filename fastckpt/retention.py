@@ -25,6 +25,7 @@ class StepInfo:
     path: str
     committed: bool
     inflight_since: float | None  # newest in-flight marker's creation time, if any
+    leftovers: tuple = ()  # in-flight markers and temporary files left by interrupted saves
 
 
 def scan(storage: Storage) -> list[StepInfo]:
@@ -39,7 +40,8 @@ def scan(storage: Storage) -> list[StepInfo]:
                 except Exception:
                     t = 0.0
                 since = t if since is None else max(since, t)
-        out.append(StepInfo(step, d, fmt.MANIFEST in names, since))
+        junk = tuple(n for n in names if n.startswith(fmt.INFLIGHT_PREFIX) or ".tmp-" in n)
+        out.append(StepInfo(step, d, fmt.MANIFEST in names, since, junk))
     return out
 
 
@@ -71,9 +73,20 @@ def plan_removal(infos: list[StepInfo], keep_last: int | None, *, protect: set[i
 
 
 def apply_retention(storage: Storage, keep_last: int | None, *,
-                    protect: set[int] = frozenset()) -> list[int]:
+                    protect: set[int] = frozenset(), force_partial: bool = False) -> list[int]:
+    """Remove what ``plan_removal`` selects; return the removed steps.
+
+    A Checkpointer calls this after each commit with ``force_partial=True``: one job writes a
+    root at a time, so every partial step it is not writing itself is abandoned.
+    """
     removed = []
-    for info in plan_removal(scan(storage), keep_last, protect=protect):
+    infos = scan(storage)
+    for info in plan_removal(infos, keep_last, protect=protect, force_partial=force_partial):
         remove_step(storage, info.path)
         removed.append(info.step)
+    if force_partial:  # committed steps keep no markers of a save that died after its commit
+        for info in infos:
+            if info.committed and info.step not in protect and info.step not in removed:
+                for n in info.leftovers:
+                    storage.remove(f"{info.path}/{n}")
     return removed

@@ -30,14 +30,61 @@
 #include <sys/types.h>
 #include <unistd.h>
 
+/* xxhash, compiled in.  On x86-64 the AVX2 kernels are compiled too (function-level target
+ * attribute, the module itself stays baseline x86-64) and picked at run time, like the xxhash
+ * package's own x86 dispatch; the results are the same on every path. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(FCK_NO_AVX2)
+#define FCK_AVX2 1
+#define XXH_X86DISPATCH
+#define XXH_DISPATCH_AVX2 1
+#define XXH_TARGET_AVX2 __attribute__((__target__("avx2")))
+#include <immintrin.h>
+#endif
 #define XXH_INLINE_ALL
 #include <xxhash.h>
+
+#ifdef FCK_AVX2
+#if XXH_VERSION_NUMBER >= 802
+#define FCK_ACC_AVX2 XXH3_accumulate_avx2
+#else
+#define FCK_ACC_AVX2 XXH3_accumulate_512_avx2
+#endif
+static int fck_use_avx2;
+
+__attribute__((__target__("avx2"), noinline)) static XXH64_hash_t h64_avx2(const void *p, size_t n) {
+    if (n <= XXH3_MIDSIZE_MAX) return XXH3_64bits(p, n);
+    return XXH3_hashLong_64b_internal(p, n, XXH3_kSecret, sizeof(XXH3_kSecret), FCK_ACC_AVX2,
+                                      XXH3_scrambleAcc_avx2);
+}
+
+__attribute__((__target__("avx2"), noinline)) static void update_avx2(XXH3_state_t *st, const void *p, size_t n) {
+    XXH3_update(st, (const xxh_u8 *)p, n, FCK_ACC_AVX2, XXH3_scrambleAcc_avx2);
+}
+#endif
+
+static inline uint64_t fck_h64(const void *p, size_t n) {
+#ifdef FCK_AVX2
+    if (fck_use_avx2) return h64_avx2(p, n);
+#endif
+    return XXH3_64bits(p, n);
+}
+
+static inline void fck_update(XXH3_state_t *st, const void *p, size_t n) {
+#ifdef FCK_AVX2
+    if (fck_use_avx2) {
+        update_avx2(st, p, n);
+        return;
+    }
+#endif
+    XXH3_64bits_update(st, p, n);
+}
 
 #define FCK_ALIGN ((Py_ssize_t)4096)
 #define FCK_DEFAULT_BLOCK ((Py_ssize_t)16 << 20)
 #define FCK_DEFAULT_DEPTH 4
 #define FCK_MAX_DEPTH 64
-#define FCK_HASH_CHUNK ((Py_ssize_t)256 << 10) /* L2-sized: range hashes reuse it */
+#define FCK_HASH_CHUNK ((Py_ssize_t)1 << 20)
+#define FCK_RANGES_THREAD_MIN ((long long)4 << 20) /* hash ranges on a 2nd thread above this */
 #define FCK_NOGIL_HASH_MIN ((Py_ssize_t)16 << 10)
 
 static inline Py_ssize_t round_up(Py_ssize_t n, Py_ssize_t a) { return (n + a - 1) / a * a; }
@@ -181,7 +228,7 @@ static void *worker(void *arg) {
 
 /* Start up to `want` workers with all signals blocked (signals stay with the
  * Python main thread).  Returns the number started (may be 0). */
-static int start_workers(job_t *j, pthread_t *th, int want) {
+static int start_threads(void *(*fn)(void *), void *arg, pthread_t *th, int want) {
     sigset_t all, old;
     pthread_attr_t attr;
     int n = 0;
@@ -190,7 +237,7 @@ static int start_workers(job_t *j, pthread_t *th, int want) {
     pthread_attr_init(&attr);
     pthread_attr_setstacksize(&attr, 256 << 10);
     for (; n < want; n++)
-        if (pthread_create(&th[n], &attr, worker, j) != 0) break;
+        if (pthread_create(&th[n], &attr, fn, arg) != 0) break;
     pthread_attr_destroy(&attr);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     return n;
@@ -233,87 +280,35 @@ static void raise_os(int err, const char *what, const char *path, long long off,
 }
 
 /* ------------------------------------------------------------------------ */
-/* Fused range hashing                                                       */
+/* Fused hashing                                                             */
 /* ------------------------------------------------------------------------ */
 
 typedef struct {
     long long off, len;
-    Py_ssize_t idx;
 } range_t;
 
-static int range_cmp(const void *a, const void *b) {
-    const range_t *x = a, *y = b;
-    if (x->off != y->off) return x->off < y->off ? -1 : 1;
-    return x->idx < y->idx ? -1 : (x->idx > y->idx);
+typedef struct {
+    const char *base;
+    const range_t *rg;
+    Py_ssize_t nr;
+    uint64_t *out;
+} ranges_job_t;
+
+/* Hash every range in one shot (runs on its own thread, beside the full-buffer hash). */
+static void *hash_ranges(void *arg) {
+    ranges_job_t *r = (ranges_job_t *)arg;
+    for (Py_ssize_t i = 0; i < r->nr; i++) r->out[i] = fck_h64(r->base + r->rg[i].off, (size_t)r->rg[i].len);
+    return NULL;
 }
 
-typedef struct {
-    Py_ssize_t r;         /* index into sorted ranges */
-    XXH3_state_t *st;
-} active_t;
-
-/* Hash base[0:nbytes] (full) and every range, one pass over L2-sized chunks.
- * Returns 0, or -1 on allocation failure. Runs without the GIL. */
-static int hash_with_ranges(const char *base, Py_ssize_t nbytes, range_t *rg, Py_ssize_t nr,
-                            uint64_t *out, uint64_t *full_out) {
-    XXH3_state_t *full = XXH3_createState();
-    active_t *act = NULL;
-    Py_ssize_t nact = 0, p = 0;
-    int rc = -1;
-    if (!full) return -1;
-    if (nr) {
-        act = (active_t *)calloc((size_t)nr, sizeof(active_t));
-        if (!act) goto done;
+/* Streaming hash of base[0:n] in 1 MiB steps. */
+static uint64_t hash_full(XXH3_state_t *st, const char *base, Py_ssize_t n) {
+    XXH3_64bits_reset(st);
+    for (Py_ssize_t off = 0; off < n; off += FCK_HASH_CHUNK) {
+        Py_ssize_t len = n - off < FCK_HASH_CHUNK ? n - off : FCK_HASH_CHUNK;
+        fck_update(st, base + off, (size_t)len);
     }
-    XXH3_64bits_reset(full);
-    /* zero-length ranges (may sit at offset nbytes) */
-    for (Py_ssize_t k = 0; k < nr; k++)
-        if (rg[k].len == 0) out[rg[k].idx] = XXH3_64bits(base, 0);
-    for (Py_ssize_t c0 = 0; c0 < nbytes; c0 += FCK_HASH_CHUNK) {
-        Py_ssize_t c1 = c0 + FCK_HASH_CHUNK;
-        if (c1 > nbytes) c1 = nbytes;
-        XXH3_64bits_update(full, base + c0, (size_t)(c1 - c0));
-        /* continue ranges started in earlier chunks */
-        for (Py_ssize_t a = 0; a < nact;) {
-            range_t *r = &rg[act[a].r];
-            long long end = r->off + r->len;
-            long long e = end < c1 ? end : c1;
-            XXH3_64bits_update(act[a].st, base + c0, (size_t)(e - c0));
-            if (end <= c1) {
-                out[r->idx] = XXH3_64bits_digest(act[a].st);
-                XXH3_freeState(act[a].st);
-                act[a] = act[--nact];
-            } else {
-                a++;
-            }
-        }
-        /* admit ranges starting in this chunk */
-        while (p < nr && rg[p].off < c1) {
-            range_t *r = &rg[p];
-            if (r->len > 0) {
-                long long end = r->off + r->len;
-                if (end <= c1) {
-                    out[r->idx] = XXH3_64bits(base + r->off, (size_t)r->len);
-                } else {
-                    XXH3_state_t *st = XXH3_createState();
-                    if (!st) goto done;
-                    XXH3_64bits_reset(st);
-                    XXH3_64bits_update(st, base + r->off, (size_t)(c1 - r->off));
-                    act[nact].r = p;
-                    act[nact].st = st;
-                    nact++;
-                }
-            }
-            p++;
-        }
-    }
-    *full_out = XXH3_64bits_digest(full);
-    rc = 0;
-done:
-    for (Py_ssize_t a = 0; a < nact; a++) XXH3_freeState(act[a].st);
-    free(act);
-    XXH3_freeState(full);
-    return rc;
+    return XXH3_64bits_digest(st);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -339,7 +334,7 @@ static int check_nbytes(Py_buffer *v, Py_ssize_t nbytes) {
     return 0;
 }
 
-/* Parse ranges into a freshly malloc'd array sorted by offset. */
+/* Parse ranges into a freshly PyMem_Malloc'd array. */
 static int parse_ranges(PyObject *ranges, Py_ssize_t nbytes, range_t **out, Py_ssize_t *nout) {
     PyObject *seq = PySequence_Fast(ranges, "ranges must be a sequence of (offset, length)");
     if (!seq) return -1;
@@ -370,10 +365,8 @@ static int parse_ranges(PyObject *ranges, Py_ssize_t nbytes, range_t **out, Py_s
         }
         rg[i].off = off;
         rg[i].len = len;
-        rg[i].idx = i;
     }
     Py_DECREF(seq);
-    if (n > 1) qsort(rg, (size_t)n, sizeof(range_t), range_cmp);
     *out = rg;
     *nout = n;
     return 0;
@@ -403,7 +396,9 @@ static PyObject *py_write_file(PyObject *self, PyObject *args, PyObject *kw) {
     uint64_t *rh = NULL, full_hash = 0;
     job_t job;
     pthread_t th[FCK_MAX_DEPTH];
-    int nth = 0, hash_fail = 0;
+    int nth = 0;
+    long long range_bytes = 0;
+    XXH3_state_t hs;
     /* error reporting (set without the GIL, raised after) */
     int oerr = 0;
     long long ooff = 0;
@@ -421,6 +416,7 @@ static PyObject *py_write_file(PyObject *self, PyObject *args, PyObject *kw) {
     if (check_tuning(&block, &depth) || check_nbytes(&view, nbytes) ||
         parse_ranges(ranges, nbytes, &rg, &nr))
         goto out_nojob;
+    for (Py_ssize_t i = 0; i < nr; i++) range_bytes += rg[i].len;
     if (nr) {
         rh = (uint64_t *)PyMem_Calloc((size_t)nr, sizeof(uint64_t));
         if (!rh) {
@@ -461,17 +457,22 @@ static PyObject *py_write_file(PyObject *self, PyObject *args, PyObject *kw) {
         }
         if (!oerr) {
             int want = job.nblocks > 1 ? (int)(job.nblocks < depth ? job.nblocks : depth) : 0;
-            nth = want ? start_workers(&job, th, want) : 0;
-            if (nth == 0) {
-                /* single block (or no threads): write then hash inline */
-                worker(&job);
-                if (!job.err && !job.eof)
-                    hash_fail = hash_with_ranges(job.base, nbytes, rg, nr, rh, &full_hash);
-            } else {
-                /* fused: hash on this thread while the workers write */
-                hash_fail = hash_with_ranges(job.base, nbytes, rg, nr, rh, &full_hash);
-                join_workers(th, nth);
+            nth = want ? start_threads(worker, &job, th, want) : 0;
+            if (nth == 0) worker(&job); /* single block (or no threads): write, then hash */
+            if (nth > 0 || !job.err) {
+                /* fused: the full hash on this thread, the ranges on another one when they
+                 * are big enough to be worth it, while the workers write */
+                ranges_job_t rj = {job.base, rg, nr, rh};
+                pthread_t rt;
+                int have_rt = nth > 0 && range_bytes >= FCK_RANGES_THREAD_MIN &&
+                              start_threads(hash_ranges, &rj, &rt, 1) == 1;
+                full_hash = hash_full(&hs, job.base, nbytes);
+                if (have_rt)
+                    pthread_join(rt, NULL);
+                else
+                    hash_ranges(&rj);
             }
+            if (nth > 0) join_workers(th, nth);
             if (job.err) {
                 oerr = job.err; owhat = job.err_what; ooff = job.err_off;
             }
@@ -491,10 +492,6 @@ static PyObject *py_write_file(PyObject *self, PyObject *args, PyObject *kw) {
     job_destroy(&job);
     if (oerr) {
         raise_os(oerr, owhat, path, ooff, owith_off);
-        goto out_nojob;
-    }
-    if (hash_fail) {
-        PyErr_NoMemory();
         goto out_nojob;
     }
     lst = PyList_New(nr);
@@ -535,6 +532,7 @@ static PyObject *py_read_into(PyObject *self, PyObject *args, PyObject *kw) {
     pthread_t th[FCK_MAX_DEPTH];
     int nth = 0;
     uint64_t h = 0;
+    XXH3_state_t hs;
     int oerr = 0, eof = 0, owith_off = 1;
     long long ooff = 0, fsize = 0;
     const char *owhat = NULL;
@@ -585,17 +583,16 @@ static PyObject *py_read_into(PyObject *self, PyObject *args, PyObject *kw) {
         job.block = block;
         job.nblocks = (job.io_len + block - 1) / block;
         job.direct = use_direct;
-        XXH3_state_t *hs = XXH3_createState();
         job.done = (unsigned char *)calloc((size_t)job.nblocks, 1);
-        if (!hs || !job.done) {
+        if (!job.done) {
             oerr = ENOMEM; owhat = "reading"; owith_off = 0;
         } else {
-            XXH3_64bits_reset(hs);
             int want = job.nblocks > 1 ? (int)(job.nblocks < depth ? job.nblocks : depth) : 0;
-            nth = want ? start_workers(&job, th, want) : 0;
+            nth = want ? start_threads(worker, &job, th, want) : 0;
+            XXH3_64bits_reset(&hs);
             if (nth == 0) {
                 worker(&job);
-                if (!job.err && !job.eof) XXH3_64bits_update(hs, job.base, (size_t)nbytes);
+                if (!job.err && !job.eof) h = hash_full(&hs, job.base, nbytes);
             } else {
                 /* fused: hash blocks in order as they land */
                 for (Py_ssize_t i = 0; i < job.nblocks; i++) {
@@ -607,11 +604,12 @@ static PyObject *py_read_into(PyObject *self, PyObject *args, PyObject *kw) {
                     Py_ssize_t off = i * block;
                     Py_ssize_t len = nbytes - off;
                     if (len > block) len = block;
-                    if (len > 0) XXH3_64bits_update(hs, job.base + off, (size_t)len);
+                    for (Py_ssize_t k = 0; k < len; k += FCK_HASH_CHUNK)
+                        fck_update(&hs, job.base + off + k, (size_t)(len - k < FCK_HASH_CHUNK ? len - k : FCK_HASH_CHUNK));
                 }
                 join_workers(th, nth);
+                h = XXH3_64bits_digest(&hs);
             }
-            h = XXH3_64bits_digest(hs);
             if (job.eof) {
                 eof = 1;
                 fsize = fstat(fd, &st) == 0 ? (long long)st.st_size : job.err_off;
@@ -619,7 +617,6 @@ static PyObject *py_read_into(PyObject *self, PyObject *args, PyObject *kw) {
                 oerr = job.err; owhat = job.err_what; ooff = job.err_off;
             }
         }
-        XXH3_freeState(hs);
     } else {
         h = XXH3_64bits(view.buf, 0);
     }
@@ -660,10 +657,10 @@ static PyObject *py_hash(PyObject *self, PyObject *args) {
     }
     if (nbytes >= FCK_NOGIL_HASH_MIN) {
         Py_BEGIN_ALLOW_THREADS
-        h = XXH3_64bits(view.buf, (size_t)nbytes);
+        h = fck_h64(view.buf, (size_t)nbytes);
         Py_END_ALLOW_THREADS
     } else {
-        h = XXH3_64bits(view.buf, (size_t)nbytes);
+        h = fck_h64(view.buf, (size_t)nbytes);
     }
     PyBuffer_Release(&view);
     return PyLong_FromUnsignedLongLong(h);
@@ -671,7 +668,30 @@ static PyObject *py_hash(PyObject *self, PyObject *args) {
 
 /* ------------------------------------------------------------------------ */
 
+/* Testing aid: force the portable (SSE2) kernels, or go back to AVX2 when the CPU has it. */
+static PyObject *py_set_hash_impl(PyObject *self, PyObject *arg) {
+    int want_avx2 = PyObject_IsTrue(arg);
+    if (want_avx2 < 0) return NULL;
+#ifdef FCK_AVX2
+    int old = fck_use_avx2;
+    fck_use_avx2 = want_avx2 && __builtin_cpu_supports("avx2");
+    return PyBool_FromLong(old);
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
+static PyObject *py_hash_impl(PyObject *self, PyObject *unused) {
+#ifdef FCK_AVX2
+    return PyUnicode_FromString(fck_use_avx2 ? "avx2" : "sse2");
+#else
+    return PyUnicode_FromString("generic");
+#endif
+}
+
 static PyMethodDef methods[] = {
+    {"_set_hash_avx2", py_set_hash_impl, METH_O, "testing aid: enable/disable the AVX2 hash kernels; returns the old state"},
+    {"hash_impl", py_hash_impl, METH_NOARGS, "which xxh3 kernels are in use: avx2, sse2 or generic"},
     {"write_file", (PyCFunction)(void (*)(void))py_write_file, METH_VARARGS | METH_KEYWORDS, write_file_doc},
     {"read_into", (PyCFunction)(void (*)(void))py_read_into, METH_VARARGS | METH_KEYWORDS, read_into_doc},
     {"hash", py_hash, METH_VARARGS, hash_doc},
@@ -685,6 +705,10 @@ static struct PyModuleDef moddef = {
 };
 
 PyMODINIT_FUNC PyInit__native_ext(void) {
+#ifdef FCK_AVX2
+    __builtin_cpu_init();
+    fck_use_avx2 = __builtin_cpu_supports("avx2") != 0;
+#endif
     PyObject *m = PyModule_Create(&moddef);
     if (!m) return NULL;
     if (PyModule_AddIntConstant(m, "DEFAULT_BLOCK_SIZE", (long)FCK_DEFAULT_BLOCK) ||

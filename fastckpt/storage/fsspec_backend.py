@@ -2,8 +2,14 @@
 
 Object stores have no rename; a single PUT of a small object is atomic (readers see the whole
 old object or the whole new one), so the manifest is published with one ``pipe_file`` call.
-A shard upload that fails is discarded (multipart aborted) rather than closed, because closing
-an fsspec file after an error commits the partial object.
+
+A shard upload that fails is *discarded*, never closed: closing an fsspec file after an error
+commits the partial object (s3fs completes the multipart upload with the parts sent so far).
+For buffered uploads (s3fs, gcsfs, ...: ``AbstractBufferedFile``) ``discard()`` aborts the
+multipart/resumable upload and the file is marked closed so that its finaliser cannot commit
+either; nothing becomes visible. File systems that write in place (``memory://``) have already
+made the partial object visible, so it is removed. This holds for ``BaseException`` too
+(KeyboardInterrupt, SystemExit from a preemption handler), which is re-raised unchanged.
 """
 
 from __future__ import annotations
@@ -15,7 +21,15 @@ import xxhash
 from .. import _native
 from .base import Storage, storage_error
 
-_CHUNK = 16 << 20
+_CHUNK = 16 << 20  # upload part size / write piece (s3 parts must be >= 5 MiB)
+#: reads of more than 2 pieces are split into ranged GETs fetched concurrently (on async file
+#: systems: s3fs, gcsfs); smaller reads are one request
+_READ_PIECE = 32 << 20
+
+#: protocols whose "directories" are key prefixes: makedirs is a no-op there (s3fs would
+#: otherwise probe, and try to create, the bucket on every call)
+_OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss",
+                            "r2", "tos", "cos", "obs"})
 
 
 class FsspecStorage(Storage):
@@ -32,6 +46,8 @@ class FsspecStorage(Storage):
             raise ImportError(f"cannot open {url}: {e}. {hint}") from e
         self.fs = fs
         self.protocol = url.split("://", 1)[0]
+        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+        self.flat_namespace = bool(_OBJECT_STORES.intersection(protocols))
         self.io = _native.get_backend(io_mode)
         super().__init__(path)
         self.url = url
@@ -40,6 +56,8 @@ class FsspecStorage(Storage):
         return f"{self.protocol}://{path}"
 
     def makedirs(self, path: str) -> None:
+        if self.flat_namespace:
+            return
         try:
             self.fs.makedirs(path, exist_ok=True)
         except FileExistsError:
@@ -75,6 +93,8 @@ class FsspecStorage(Storage):
     def write_shard(self, path: str, buf, nbytes: int,
                     ranges: Sequence[tuple[int, int]]) -> tuple[int, list[int]]:
         mv = memoryview(buf).cast("B")[:nbytes]
+        if len(mv) != nbytes:
+            raise ValueError(f"buffer holds {len(mv)} bytes, asked to write {nbytes}")
         h = xxhash.xxh3_64()
         f = None
         pos = 0
@@ -85,30 +105,72 @@ class FsspecStorage(Storage):
                 h.update(piece)
                 f.write(piece)
                 pos += len(piece)
-            f.close()
-        except Exception as e:
-            if f is not None and hasattr(f, "discard"):
-                try:
-                    f.discard()
-                except Exception:
-                    pass
+            f.close()  # the commit: completes the multipart upload / PUTs a small object
+        except BaseException as e:
+            if f is not None:
+                self._abandon(f, path)
+            if not isinstance(e, Exception):
+                raise
             raise storage_error(e, "writing the shard", self.display(path), offset=pos) from e
         return h.intdigest(), [self.io.hash(mv[o:o + n], n) for o, n in ranges]
 
-    def read_into(self, path: str, offset: int, buf, nbytes: int) -> int:
+    def _abandon(self, f, path: str) -> None:
+        """Throw away a failed upload without committing it (see the module docstring)."""
+        from fsspec.spec import AbstractBufferedFile
+        if isinstance(f, AbstractBufferedFile):
+            try:
+                f.discard()  # s3fs: abort the multipart upload
+            except Exception:
+                pass
+            f.closed = True  # close() -- and so __del__ -- would commit what was written
+            return
         try:
-            data = self.fs.cat_file(path, start=offset, end=offset + nbytes)
+            f.close()
+        except Exception:
+            pass
+        try:  # written in place: the partial object is visible, remove it
+            self.fs.rm_file(path)
+        except Exception:
+            pass
+
+    def read_into(self, path: str, offset: int, buf, nbytes: int) -> int:
+        out = memoryview(buf).cast("B")
+        if len(out) < nbytes:
+            raise ValueError(f"buffer holds {len(out)} bytes, asked to read {nbytes}")
+        if nbytes == 0:
+            if self.size(path) is None:
+                raise storage_error(FileNotFoundError(2, "no such object"), "reading",
+                                    self.display(path), offset=offset)
+            return xxhash.xxh3_64_intdigest(b"")
+        piece = _READ_PIECE if nbytes > 2 * _READ_PIECE else nbytes
+        starts = list(range(offset, offset + nbytes, piece))
+        ends = [min(s + piece, offset + nbytes) for s in starts]
+        try:
+            if len(starts) == 1:
+                pieces = [self.fs.cat_file(path, start=offset, end=offset + nbytes)]
+            else:
+                pieces = self.fs.cat_ranges([path] * len(starts), starts, ends)
+            for p in pieces:
+                if isinstance(p, BaseException):
+                    raise p
         except Exception as e:
             raise storage_error(e, "reading", self.display(path), offset=offset) from e
-        if len(data) != nbytes:
-            raise storage_error(EOFError(f"expected {nbytes} bytes, got {len(data)}"), "reading",
-                                self.display(path), offset=offset)
-        memoryview(buf).cast("B")[:nbytes] = data
-        return xxhash.xxh3_64_intdigest(data)
+        h = xxhash.xxh3_64()
+        pos = 0
+        for s, e, p in zip(starts, ends, pieces):
+            if len(p) != e - s:
+                got = pos + len(p)
+                raise storage_error(EOFError(f"expected {nbytes} bytes, got {got} (the object "
+                                             "ends early)"), "reading", self.display(path),
+                                    offset=offset)
+            out[pos:pos + len(p)] = p
+            h.update(p)
+            pos += len(p)
+        return h.intdigest()
 
     def publish(self, path: str, data: bytes) -> None:
         try:
-            self.fs.pipe_file(path, data)
+            self.fs.pipe_file(path, bytes(data))
         except Exception as e:
             raise storage_error(e, "publishing", self.display(path)) from e
 
@@ -119,11 +181,17 @@ class FsspecStorage(Storage):
             pass
         except Exception as e:
             raise storage_error(e, "removing", self.display(path)) from e
+        finally:
+            self.fs.invalidate_cache(path)
 
     def remove_dir(self, path: str) -> None:
         try:
+            # another process may have written under path since this one last listed it
+            self.fs.invalidate_cache(path)
             self.fs.rm(path, recursive=True)
         except FileNotFoundError:
             pass
         except Exception as e:
             raise storage_error(e, "removing", self.display(path)) from e
+        finally:
+            self.fs.invalidate_cache(path)

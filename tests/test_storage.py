@@ -1,0 +1,497 @@
+"""The Storage contract, written once and run against every backend.
+
+``StorageContract`` holds the tests; each backend is a subclass that provides the ``st``
+fixture (a fresh, empty root) and a few hooks: LocalStorage on tmp_path, FsspecStorage on
+``memory://`` and FsspecStorage on ``s3://bucket/prefix`` through the moto server on 127.0.0.1.
+S3-specific behaviour (multipart boundary, aborted uploads, unreachable endpoint) follows.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import threading
+import uuid
+
+import pytest
+import xxhash
+
+from fastckpt import StorageError
+from fastckpt._native import aligned_buffer
+from fastckpt.storage import LocalStorage, Storage, open_storage
+from fastckpt.storage.fsspec_backend import FsspecStorage
+from tests.s3fixtures import s3, s3_server  # noqa: F401  (fixtures)
+
+# an fsspec file left unclosed commits itself (or fails loudly) in __del__: make that an error
+pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+
+MiB = 1 << 20
+SIZES = [0, 1, 5 * MiB + 7, 40 * MiB]  # 40 MiB crosses the 16 MiB multipart boundary on s3
+
+
+def _data(n: int) -> bytes:
+    return os.urandom(n) if n else b""
+
+
+def _staged(data: bytes) -> memoryview:
+    buf = aligned_buffer(len(data))
+    buf[:len(data)] = data
+    return buf
+
+
+def _h(b) -> int:
+    return xxhash.xxh3_64_intdigest(bytes(b))
+
+
+class _InjectedFault(OSError):
+    def __init__(self) -> None:
+        super().__init__(errno.EIO, "injected fault: the connection dropped mid-upload")
+
+
+class StorageContract:
+    """Every backend passes these. Subclasses provide the ``st`` fixture and the hooks."""
+
+    #: a shard write that fails leaves no object at its path (object stores: aborted upload)
+    failed_write_leaves_nothing = True
+
+    # -- hooks -------------------------------------------------------------------------------
+    def unwritable(self, st: Storage, request) -> Storage:
+        """A storage whose root cannot be written."""
+        raise NotImplementedError
+
+    def inject_write_failure(self, st: Storage, monkeypatch, after: int,
+                             exc: type[BaseException] = _InjectedFault) -> None:
+        """Make the next shard write raise ``exc`` once ``after`` bytes went out."""
+        raise NotImplementedError
+
+    def visible(self, st: Storage, path: str) -> bool:
+        return st.size(path) is not None
+
+    # -- makedirs / listdir ------------------------------------------------------------------
+    def test_join(self, st):
+        assert st.join("a", "b") == st.root + "/a/b"
+        assert not st.root.endswith("/") or st.root == "/"
+
+    def test_makedirs_nested_and_idempotent(self, st):
+        d = st.join("a", "b", "c")
+        st.makedirs(d)
+        st.makedirs(d)
+        st.publish(d + "/f", b"x")
+        assert st.listdir(st.join("a", "b")) == ["c"]
+        assert st.read_bytes(d + "/f") == b"x"
+
+    def test_listdir_missing_is_empty(self, st):
+        assert st.listdir(st.join("nope")) == []
+        assert st.listdir(st.join("nope", "deeper")) == []
+
+    def test_listdir_base_names_sorted(self, st):
+        for rel in ("d/b/x", "d/b/y", "d/a", "d/c/z/w", "d2/q"):
+            parent = st.join(*rel.split("/")[:-1])
+            st.makedirs(parent)
+            st.publish(st.join(*rel.split("/")), rel.encode())
+        assert st.listdir(st.join("d")) == ["a", "b", "c"]
+        assert st.listdir(st.join("d", "b")) == ["x", "y"]
+        assert st.listdir(st.join("d", "c")) == ["z"]
+        assert {"d", "d2"} <= set(st.listdir(st.root))
+
+    # -- read_bytes / size --------------------------------------------------------------------
+    def test_read_bytes_and_size(self, st):
+        st.makedirs(st.root)
+        p = st.join("small")
+        st.publish(p, b"hello\x00world")
+        assert st.read_bytes(p) == b"hello\x00world"
+        assert st.size(p) == 11
+        st.publish(st.join("empty"), b"")
+        assert st.size(st.join("empty")) == 0
+        assert st.read_bytes(st.join("empty")) == b""
+
+    def test_size_missing_is_none(self, st):
+        assert st.size(st.join("missing")) is None
+        assert st.size(st.join("no", "such", "file")) is None
+
+    def test_read_bytes_missing_names_the_path(self, st):
+        p = st.join("missing.json")
+        with pytest.raises(StorageError) as ei:
+            st.read_bytes(p)
+        assert p.lstrip("/") in str(ei.value) and p.lstrip("/") in ei.value.file
+
+    # -- write_shard / read_into --------------------------------------------------------------
+    @pytest.mark.parametrize("n", SIZES, ids=["0B", "1B", "5MiB+7", "40MiB"])
+    def test_write_shard_hashes_and_read_back(self, st, n):
+        data = _data(n)
+        st.makedirs(st.join("s"))
+        p = st.join("s", "r00000-abc.fck")
+        ranges = [(0, n), (0, min(n, 100)), (n // 3, n // 3), (n - min(n, 1), min(n, 1))]
+        if n > 2 * MiB:
+            ranges += [(4096, MiB), (MiB + 13, 2 * MiB)]
+        fh, hashes = st.write_shard(p, _staged(data), n, ranges)
+        assert fh == _h(data)
+        assert hashes == [_h(data[o:o + k]) for o, k in ranges]
+        assert st.size(p) == n
+        assert st.listdir(st.join("s")) == ["r00000-abc.fck"]
+        # read back at offsets (unaligned ones included), into aligned buffers
+        for off, k in [(0, n), (n // 2, n - n // 2), (min(n, 4097), max(0, min(n - 4097, 3))),
+                       (max(0, n - 1), min(n, 1))] + ([(17 * MiB + 5, 20 * MiB)]
+                                                      if n > 38 * MiB else []):
+            buf = aligned_buffer(max(k, 1))
+            assert st.read_into(p, off, buf, k) == _h(data[off:off + k]), (off, k)
+            assert bytes(buf[:k]) == data[off:off + k], (off, k)
+
+    def test_write_shard_only_first_nbytes(self, st):
+        data = _data(10000)
+        st.makedirs(st.root)
+        p = st.join("part.fck")
+        fh, hs = st.write_shard(p, _staged(data), 5000, [(10, 20)])
+        assert (fh, hs) == (_h(data[:5000]), [_h(data[10:30])])
+        assert st.size(p) == 5000
+
+    def test_write_shard_overwrites(self, st):
+        st.makedirs(st.root)
+        p = st.join("again.fck")
+        st.write_shard(p, _staged(b"a" * 9000), 9000, [])
+        st.write_shard(p, _staged(b"b" * 100), 100, [])
+        assert st.size(p) == 100
+        buf = aligned_buffer(100)
+        assert st.read_into(p, 0, buf, 100) == _h(b"b" * 100)
+
+    def test_read_into_missing_names_the_path(self, st):
+        p = st.join("gone.fck")
+        with pytest.raises(StorageError) as ei:
+            st.read_into(p, 0, aligned_buffer(4096), 10)
+        assert p.lstrip("/") in str(ei.value)
+
+    def test_read_into_past_the_end_fails(self, st):
+        st.makedirs(st.root)
+        p = st.join("short.fck")
+        st.write_shard(p, _staged(b"z" * 100), 100, [])
+        with pytest.raises(StorageError) as ei:
+            st.read_into(p, 50, aligned_buffer(4096), 100)
+        assert p.lstrip("/") in str(ei.value)
+
+    def test_concurrent_shard_writes(self, st):
+        """The training thread and the writer thread may use one instance at once."""
+        st.makedirs(st.join("c"))
+        blobs = {i: _data(MiB + i) for i in range(4)}
+        out, errs = {}, []
+
+        def w(i):
+            try:
+                out[i] = st.write_shard(st.join("c", f"{i}.fck"), _staged(blobs[i]),
+                                        len(blobs[i]), [(0, 10)])
+            except BaseException as e:  # pragma: no cover - reported below
+                errs.append(e)
+        ts = [threading.Thread(target=w, args=(i,)) for i in blobs]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert not errs
+        for i, b in blobs.items():
+            assert out[i] == (_h(b), [_h(b[:10])])
+            assert st.size(st.join("c", f"{i}.fck")) == len(b)
+
+    # -- failures -----------------------------------------------------------------------------
+    def test_failed_shard_write_is_a_storage_error_and_leaves_nothing(self, st, monkeypatch):
+        n = 40 * MiB
+        data = _data(n)
+        st.makedirs(st.join("f"))
+        p = st.join("f", "r00001-dead.fck")
+        self.inject_write_failure(st, monkeypatch, after=20 * MiB)
+        with pytest.raises(StorageError) as ei:
+            st.write_shard(p, _staged(data), n, [(0, n)])
+        assert p.lstrip("/") in str(ei.value)
+        assert "injected fault" in str(ei.value) or "injected fault" in str(ei.value.__cause__)
+        monkeypatch.undo()
+        if self.failed_write_leaves_nothing:
+            assert not self.visible(st, p)
+            assert "r00001-dead.fck" not in st.listdir(st.join("f"))
+        # the storage is still usable afterwards
+        assert st.write_shard(p, _staged(b"ok"), 2, [])[0] == _h(b"ok")
+        assert st.read_bytes(p) == b"ok"
+
+    def test_check_writable(self, st):
+        st.check_writable()  # the root need not exist yet
+        assert ".fastckpt-write-probe" not in st.listdir(st.root)
+
+    def test_check_writable_fails_naming_the_root(self, st, request):
+        bad = self.unwritable(st, request)
+        with pytest.raises(StorageError) as ei:
+            bad.check_writable()
+        assert bad.root.lstrip("/") in str(ei.value)
+
+    # -- publish ------------------------------------------------------------------------------
+    def test_publish_creates_then_overwrites(self, st):
+        st.makedirs(st.join("m"))
+        p = st.join("m", "manifest.json")
+        st.publish(p, b"old" * 10)
+        assert st.read_bytes(p) == b"old" * 10
+        st.publish(p, b"new!")
+        assert st.read_bytes(p) == b"new!"
+        assert st.size(p) == 4
+        assert st.listdir(st.join("m")) == ["manifest.json"]  # no temporaries left behind
+
+    def test_publish_is_atomic_for_readers(self, st):
+        """A reader polling while the object is replaced sees the whole old or the whole new."""
+        st.makedirs(st.join("a"))
+        p = st.join("a", "manifest.json")
+        old, new = b"o" * (MiB + 1), b"n" * (2 * MiB - 3)
+        st.publish(p, old)
+        seen, bad, stop = set(), [], threading.Event()
+
+        def reader():
+            while not stop.is_set():
+                try:
+                    b = st.read_bytes(p)
+                except Exception as e:  # a missing object is a torn publish too
+                    bad.append(repr(e))
+                    continue
+                if b not in (old, new):
+                    bad.append(f"torn read: {len(b)} bytes")
+                seen.add(b[:1])
+        t = threading.Thread(target=reader)
+        t.start()
+        try:
+            for i in range(12):
+                st.publish(p, new if i % 2 == 0 else old)
+        finally:
+            stop.set()
+            t.join()
+        assert not bad, bad[:3]
+        assert st.read_bytes(p) == old
+        assert seen  # the reader did run
+
+    # -- remove / remove_dir -----------------------------------------------------------------
+    def test_remove_and_missing_ok(self, st):
+        st.makedirs(st.root)
+        p = st.join("x")
+        st.publish(p, b"1")
+        st.remove(p)
+        assert st.size(p) is None
+        st.remove(p)
+        st.remove(st.join("never", "was"))
+
+    def test_remove_dir_recursive_and_missing_ok(self, st):
+        for rel in ("step-1/a", "step-1/sub/b", "step-10/c", "step-1x"):
+            parts = rel.split("/")
+            st.makedirs(st.join(*parts[:-1]))
+            st.publish(st.join(*parts), b"data")
+        st.remove_dir(st.join("step-1"))
+        assert st.listdir(st.join("step-1")) == []
+        assert st.size(st.join("step-1", "sub", "b")) is None
+        # siblings sharing the name as a prefix survive
+        assert st.read_bytes(st.join("step-10", "c")) == b"data"
+        assert st.read_bytes(st.join("step-1x")) == b"data"
+        assert "step-1" not in st.listdir(st.root)
+        st.remove_dir(st.join("step-1"))
+        st.remove_dir(st.join("never"))
+
+
+# ----------------------------------------------------------------------------------- backends
+
+class TestLocalStorage(StorageContract):
+    # a local partial shard stays until the coordinator or retention removes it: no manifest
+    # references it, so it is harmless (object stores must not even show it)
+    failed_write_leaves_nothing = False
+
+    @pytest.fixture
+    def st(self, tmp_path):
+        return LocalStorage(str(tmp_path / "root"))
+
+    def unwritable(self, st, request):
+        blocker = os.path.join(os.path.dirname(st.root), "a-file")
+        with open(blocker, "wb") as f:
+            f.write(b"not a directory")
+        return LocalStorage(os.path.join(blocker, "root"))
+
+    def inject_write_failure(self, st, monkeypatch, after, exc=_InjectedFault):
+        real = st.io
+
+        class Failing:
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def write_file(self, path, buf, nbytes, ranges, **kw):
+                with open(path, "wb") as f:  # some bytes reached the file, then the device failed
+                    f.write(bytes(memoryview(buf)[:min(after, nbytes)]))
+                raise exc()
+        monkeypatch.setattr(st, "io", Failing())
+
+    def test_error_hint_for_full_device(self, st, monkeypatch):
+        class Full(OSError):
+            def __init__(self):
+                super().__init__(errno.ENOSPC, "No space left on device")
+        self.inject_write_failure(st, monkeypatch, after=0, exc=Full)
+        st.makedirs(st.root)
+        with pytest.raises(StorageError, match="device is full") as ei:
+            st.write_shard(st.join("x.fck"), _staged(b"abc"), 3, [])
+        assert ei.value.errno == errno.ENOSPC
+
+
+class _FsspecExtras:
+    def test_large_read_in_concurrent_pieces(self, st, monkeypatch):
+        from fastckpt.storage import fsspec_backend
+        monkeypatch.setattr(fsspec_backend, "_READ_PIECE", 64 * 1024)
+        n = MiB + 3
+        data = _data(n)
+        st.makedirs(st.root)
+        p = st.join("pieces.fck")
+        st.write_shard(p, _staged(data), n, [])
+        for off, k in ((0, n), (1, n - 1), (70000, 200001), (5, 128 * 1024 + 1)):
+            buf = aligned_buffer(k)
+            assert st.read_into(p, off, buf, k) == _h(data[off:off + k]), (off, k)
+            assert bytes(buf[:k]) == data[off:off + k]
+        with pytest.raises(StorageError, match="pieces.fck"):  # short, or a range past the end
+            st.read_into(p, n - 200000, aligned_buffer(300000), 300000)
+
+
+class TestMemoryStorage(_FsspecExtras, StorageContract):
+    @pytest.fixture
+    def st(self):
+        root = f"memory://fastckpt-test-{uuid.uuid4().hex[:12]}/root"
+        st = open_storage(root)
+        assert isinstance(st, FsspecStorage)
+        yield st
+        try:
+            st.fs.rm(st.root.rsplit("/", 1)[0], recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def unwritable(self, st, request):
+        st.makedirs(st.join("x"))
+        st.publish(st.join("x", "a-file"), b"not a directory")
+        return open_storage("memory://" + st.join("x", "a-file", "root").lstrip("/"))
+
+    def inject_write_failure(self, st, monkeypatch, after, exc=_InjectedFault):
+        from fsspec.implementations.memory import MemoryFile
+        real = MemoryFile.write
+
+        def write(self, data):
+            if self.tell() + len(data) > after:
+                raise exc()
+            return real(self, data)
+        monkeypatch.setattr(MemoryFile, "write", write)
+
+
+class TestS3Storage(_FsspecExtras, StorageContract):
+    @pytest.fixture
+    def st(self, s3):
+        st = open_storage(s3.url("prefix", "run"), storage_options=s3.storage_options)
+        assert isinstance(st, FsspecStorage)
+        return st
+
+    def unwritable(self, st, request):
+        s3 = request.getfixturevalue("s3")
+        return open_storage(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run",
+                            storage_options=s3.storage_options)
+
+    def inject_write_failure(self, st, monkeypatch, after, exc=_InjectedFault):
+        from s3fs.core import S3File
+        real = S3File.write
+
+        def write(self, data):
+            if self.tell() + len(data) > after:  # tell(): bytes accepted so far
+                raise exc()
+            return real(self, data)
+        monkeypatch.setattr(S3File, "write", write)
+
+    # -- s3 only -----------------------------------------------------------------------------
+    def test_multipart_boundary(self, st, s3):
+        """Below 16 MiB one PUT; above it a multipart upload of 16 MiB parts, completed."""
+        st.makedirs(st.root)
+        for name, n in (("small.fck", 5 * MiB + 7), ("big.fck", 40 * MiB)):
+            data = _data(n)
+            st.write_shard(st.join(name), _staged(data), n, [])
+        s3.fs.invalidate_cache()
+        etag_small = s3.fs.info(st.join("small.fck"))["ETag"].strip('"')
+        etag_big = s3.fs.info(st.join("big.fck"))["ETag"].strip('"')
+        assert "-" not in etag_small
+        assert etag_big.endswith("-3")  # 16 + 16 + 8 MiB
+        assert s3.multipart_uploads() == []
+        assert s3.keys() == ["prefix/run/big.fck", "prefix/run/small.fck"]
+
+    def test_failure_in_the_last_part_aborts_the_upload(self, st, s3, monkeypatch):
+        """The final part (sent by close) fails: the upload is aborted, not completed."""
+        from s3fs.core import S3File
+        real = S3File._upload_chunk
+
+        def upload_chunk(self, final=False):
+            if final:
+                raise _InjectedFault()
+            return real(self, final)
+        monkeypatch.setattr(S3File, "_upload_chunk", upload_chunk)
+        n = 40 * MiB
+        p = st.join("last.fck")
+        with pytest.raises(StorageError, match="injected fault"):
+            st.write_shard(p, _staged(_data(n)), n, [])
+        monkeypatch.undo()
+        assert st.size(p) is None
+        assert s3.keys() == []
+        assert s3.multipart_uploads() == []
+
+    def test_interrupt_mid_upload_commits_nothing(self, st, s3, monkeypatch):
+        """KeyboardInterrupt/SystemExit (a preemption handler) mid-upload: re-raised as is;
+        the partial object is neither visible nor committed later by the file's finaliser."""
+        import gc
+        self.inject_write_failure(st, monkeypatch, after=20 * MiB, exc=KeyboardInterrupt)
+        n = 40 * MiB
+        p = st.join("interrupted.fck")
+        with pytest.raises(KeyboardInterrupt):
+            st.write_shard(p, _staged(_data(n)), n, [])
+        monkeypatch.undo()
+        gc.collect()  # an unclosed fsspec file commits itself in __del__
+        assert st.size(p) is None
+        assert s3.keys() == []
+        assert s3.multipart_uploads() == []
+
+    def test_failed_small_write_leaves_nothing(self, st, s3, monkeypatch):
+        self.inject_write_failure(st, monkeypatch, after=MiB)
+        p = st.join("small.fck")
+        with pytest.raises(StorageError, match="injected fault"):
+            st.write_shard(p, _staged(_data(3 * MiB)), 3 * MiB, [])
+        monkeypatch.undo()
+        import gc
+        gc.collect()
+        assert s3.keys() == [] and s3.multipart_uploads() == []
+
+    def test_failed_big_write_aborts_the_multipart_upload(self, st, s3, monkeypatch):
+        n = 40 * MiB
+        p = st.join("r00000-x.fck")
+        self.inject_write_failure(st, monkeypatch, after=20 * MiB)  # part 1 was sent
+        with pytest.raises(StorageError):
+            st.write_shard(p, _staged(_data(n)), n, [])
+        monkeypatch.undo()
+        assert s3.keys() == []
+        assert s3.multipart_uploads() == []
+
+    def test_makedirs_does_not_touch_the_bucket(self, st, s3):
+        st.makedirs(st.join("a", "b"))
+        assert s3.keys() == []  # object stores have no directories: nothing to create
+        other = open_storage(f"s3://missing-{uuid.uuid4().hex[:8]}/x",
+                             storage_options=s3.storage_options)
+        other.makedirs(other.join("y"))  # never creates a bucket
+        s3.fs.invalidate_cache()
+        assert not s3.fs.exists(other.root.split("/", 1)[0])
+
+    def test_unreachable_endpoint_is_a_storage_error(self, s3):
+        with socket.socket() as s:  # a loopback port with nothing listening
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        opts = {"key": "test", "secret": "test", "skip_instance_cache": True,
+                "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}",
+                                  "region_name": "us-east-1"},
+                "config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"},
+                                  "connect_timeout": 2}}
+        st = open_storage(f"s3://{s3.bucket}/run", storage_options=opts)
+        with pytest.raises(StorageError) as ei:
+            st.check_writable()
+        assert f"{s3.bucket}/run" in str(ei.value)
+        with pytest.raises(StorageError) as ei:
+            st.read_bytes(st.join("manifest.json"))
+        assert f"{s3.bucket}/run/manifest.json" in str(ei.value)
+
+    def test_guard_refuses_non_loopback(self, s3):
+        with socket.socket() as s, pytest.raises(ConnectionRefusedError, match="test guard"):
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: refused before any packet is sent
+        assert s3.guard.violations == ["('192.0.2.1', 9)"]
+        s3.guard.violations.clear()
