@@ -57,8 +57,9 @@ def commit(exchange: Any, *, save_id: str, rank: int, world_size: int, result: d
         found, missing = exchange.wait([out_key], deadline)
         if missing:
             raise CommitTimeoutError(
-                f"save {save_id}: no commit decision from the coordinator (rank 0) within the "
-                "deadline; rank 0 died or hangs. The previous committed checkpoint is intact.",
+                f"save {save_id}: no commit decision from the coordinator, rank(s) [0], within "
+                "the deadline: rank 0 died, hangs, or its store is unreachable; nothing was "
+                "committed, the previous committed checkpoint is intact",
                 missing_ranks=[0], rank=rank)
         outcome = json.loads(found[out_key])
     if exchange.add(f"{save_id}/acks", 1) >= world_size:
