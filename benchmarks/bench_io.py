@@ -3,8 +3,8 @@
 
 Writes --size bytes (default 1 GiB) from a page-aligned buffer to a file under --dir, then reads
 it back with a cold page cache (``sync; echo 1 > /proc/sys/vm/drop_caches`` before every read,
-needs root; otherwise the table says "warm").  Contenders are interleaved (the order rotates each
-repetition), repeated --repeat times; the table shows medians, MiB/s, the ratio to fio and CPU
+needs root; otherwise the table says "warm").  Contenders are interleaved (a reproducible shuffle
+in each repetition), repeated --repeat times; the table shows medians, MiB/s, the ratio to fio and CPU
 seconds per GiB (getrusage of this process, all threads; for fio getrusage of the child).
 
 Every in-process write includes open + fallocate + writes + ftruncate + fsync + close, i.e. the
@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import resource
 import shutil
 import statistics
@@ -184,6 +185,8 @@ def main() -> int:
         nb = _native.NativeBackend()
         contenders += [("native direct", "write", writer(nb, True)), ("native buffered", "write", writer(nb, False))]
     contenders += [("python direct", "write", writer(py, True)), ("python buffered", "write", writer(py, False))]
+    # "+busy": the same direct I/O while another Python thread spins (GIL contention, as when the
+    # training loop keeps running during a background save)
     if not args.no_busy:
         if nat:
             contenders.append(("native direct+busy", "write", with_busy_thread(writer(nb, True))))
@@ -212,9 +215,17 @@ def main() -> int:
     # the file every read contender reads (written once, not timed)
     _native.PythonBackend().write_file(rpath, src, size, [], direct=True, fsync=True)
     t_start = time.perf_counter()
+    rng = random.Random(12345)  # a different, reproducible contender order in every repetition
     for rep in range(args.repeat):
-        order = contenders[rep % len(contenders):] + contenders[:rep % len(contenders)]
+        order = list(contenders)
+        rng.shuffle(order)
         for kind in ("write", "read"):
+            if kind == "write":
+                # untimed warm-up: the first buffered write after the cache drops of a read phase
+                # pays for first-touching fresh memory (very slow on VMs that hand freed guest
+                # memory back to the host); do not let a contender pay it
+                py.write_file(wpath, src, size, [], direct=False, fsync=True)
+                unlink(wpath)
             for name, k, fn in order:
                 if k != kind:
                     continue

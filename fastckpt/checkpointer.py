@@ -563,11 +563,13 @@ def load_into(storage: Storage, state: dict, *, step: int | None = None, verify:
                      planner=DefaultLoadPlanner(allow_partial_load=not strict),
                      no_dist=not _dist.initialized())
     except CheckpointException as e:  # a BaseException in DCP: turn it into ours
-        failures = getattr(e, "failures", {}) or {}
+        failures = {r: (x[0] if isinstance(x, tuple) else x)  # (exception, traceback)
+                    for r, x in (getattr(e, "failures", {}) or {}).items()}
         mine = failures.get(rank)
         if isinstance(mine, FastCkptError):
             raise mine from None
-        detail = "; ".join(f"rank {r}: {x}" for r, x in sorted(failures.items()))
+        detail = "; ".join(f"rank {r}: {type(x).__name__}: {x}"
+                           for r, x in sorted(failures.items()))
         raise FastCkptError(f"load of step {found_step} failed: {detail or e}") from None
     for fn in plan.finish:
         fn()

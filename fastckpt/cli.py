@@ -253,7 +253,7 @@ def _restore_signals() -> None:
                 pass
 
 
-@cli.command(epilog=EXIT_CODES_HELP, context_settings={"ignore_unknown_options": True})
+@cli.command(epilog=EXIT_CODES_HELP)
 @click.argument("root")
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object (not with CMD).")
@@ -585,9 +585,10 @@ def inspect(root: str, step: int | None, chunks: bool, pattern: str | None, valu
     if pattern:
         doc["tensors"] = [t for t in doc["tensors"] if fnmatch.fnmatchcase(t["name"], pattern)]
     if as_json:
-        if not chunks:
-            for t in doc["tensors"]:
-                t["chunks_count"] = len(t["chunks"])
+        for t in doc["tensors"]:
+            t["chunks_count"] = len(t["chunks"])
+            if not chunks:  # the chunk lists of a big sharded model are long: --chunks
+                del t["chunks"]
         _emit_json(doc)
         return EXIT_OK
     _echo(f"step {doc['step']}  {doc['path']}")
@@ -790,6 +791,10 @@ def _print_bench(rep: dict) -> None:
               "(>1: fastckpt is faster)")
     if rep.get("fastckpt_staged_s") is not None:
         _echo(f"training blocked by a fastckpt save (staging): {rep['fastckpt_staged_s']:.2f} s")
+    first = rep.get("fastckpt_first_save") or {}
+    if first.get("save_s"):
+        _echo(f"first fastckpt save of a process (allocates the staging buffer): "
+              f"{first['save_s']:.2f} s, of which staging {first['staged_s']:.2f} s")
     g = rep.get("grace")
     if g and g["seconds"]:
         _echo("")
@@ -835,6 +840,7 @@ def _fail(message: str, code: int, data: dict | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the command, map outcomes to exit codes."""
+    _set_json(False)
     try:
         rc = cli.main(args=argv, prog_name="fastckpt", standalone_mode=False)
     except click.ClickException as e:

@@ -97,7 +97,8 @@ class _LoopbackGuard:
             raise ConnectionRefusedError(f"test guard: connection to {address!r} refused: the "
                                          f"tests may only reach {LOOPBACK}")
 
-    def install(self, monkeypatch) -> None:
+    def install(self, monkeypatch=None) -> "_LoopbackGuard":
+        """Patch ``socket.socket``: for the test (monkeypatch), or for good (a spawned rank)."""
         real_connect, real_connect_ex = socket.socket.connect, socket.socket.connect_ex
         guard = self
 
@@ -109,8 +110,15 @@ class _LoopbackGuard:
             guard.check(self, address)
             return real_connect_ex(self, address)
 
-        monkeypatch.setattr(socket.socket, "connect", connect)
-        monkeypatch.setattr(socket.socket, "connect_ex", connect_ex)
+        patch = monkeypatch.setattr if monkeypatch is not None else setattr
+        patch(socket.socket, "connect", connect)
+        patch(socket.socket, "connect_ex", connect_ex)
+        return self
+
+
+def guard_this_process() -> _LoopbackGuard:
+    """Install the loopback guard in this process for good (for ranks spawned by a test)."""
+    return _LoopbackGuard().install()
 
 
 @pytest.fixture

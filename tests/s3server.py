@@ -1,9 +1,9 @@
 """A real S3-compatible server (moto) on 127.0.0.1 for the tests: start, reset, stop.
 
-``S3Server()`` runs ``python -m moto.server`` in a child process bound to 127.0.0.1 only (its
-own interpreter, so the server does not share the GIL with the client under test, and a crash
-or hang of one does not take the other down). The child dies with the process that started it
-(``PR_SET_PDEATHSIG`` on Linux) and is stopped by ``stop()`` or at interpreter exit.
+``S3Server()`` runs moto's server (``moto.server.main``) in a child process bound to 127.0.0.1
+only (its own interpreter, so the server does not share the GIL with the client under test,
+and a crash or hang of one does not take the other down). The child dies with the process that
+started it (``PR_SET_PDEATHSIG`` on Linux) and is stopped by ``stop()`` or at interpreter exit.
 ``S3Server(mode="thread")`` runs moto's ``ThreadedMotoServer`` in this process instead.
 
     with S3Server() as srv:
@@ -19,7 +19,6 @@ import atexit
 import contextlib
 import http.client
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -54,13 +53,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+#: the child: ask the kernel for SIGTERM when the parent dies (Linux), exit if it already
+#: did, then run moto's server (``python -m moto.server`` with arguments)
+_CHILD = """
+import os, signal, sys
+try:
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+except Exception:
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)
+from moto.server import main
+main(sys.argv[2:])
+"""
 
 
 class S3Server:
@@ -115,9 +121,8 @@ class S3Server:
         env.update(AWS_TEST_ENV)
         self._log = tempfile.TemporaryFile()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", LOOPBACK, "-p", str(port)],
-            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+            [sys.executable, "-c", _CHILD, str(os.getpid()), "-H", LOOPBACK, "-p", str(port)],
+            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.port = port
         try:
             self._wait_ready(time.monotonic() + self.startup_timeout)

@@ -16,7 +16,8 @@ import fastckpt
 from fastckpt import CorruptCheckpointError
 from tests.distributed import run
 from tests.models import assert_same, fsdp_mlp, full_state, mlp, train_step
-from tests.s3fixtures import s3, s3_server  # noqa: F401  (fixtures)
+
+pytest_plugins = ["tests.s3fixtures"]  # the s3_server (one per session) and s3 fixtures
 
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 
@@ -135,12 +136,15 @@ def test_corrupt_shard_error_type(s3):
 # ------------------------------------------------------------------------------- two ranks
 
 def _save_two_ranks(rank, world, url, storage_options):
+    from tests.s3fixtures import guard_this_process
+    guard = guard_this_process()  # this rank, too, talks to 127.0.0.1 only
     m = fsdp_mlp(0)
     opt = torch.optim.Adam(m.parameters(), lr=1e-2)
     for s in range(2):
         train_step(m, opt, s, rank, world)
     with fastckpt.Checkpointer(url, storage_options=storage_options) as ck:
         ck.save({"model": m, "optim": opt, "step": 2}, step=2, block=True)
+    assert not guard.violations, guard.violations
     return full_state(m, opt)
 
 

@@ -1,0 +1,276 @@
+"""Corruption, bad input, unwritable roots and full disks: clear errors, nothing lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt import _dist
+from fastckpt.commit import commit
+from tests.crash_worker import blank, state_for
+from tests.models import mlp
+
+
+def _shard(root, step):
+    d = os.path.join(root, f"step-{step:010d}")
+    body = json.load(open(os.path.join(d, "manifest.json")))["body"]
+    return d, body
+
+
+# ------------------------------------------------------------------------------------ corruption
+
+def test_flipped_byte_in_shard_names_file_tensor_offset(root):
+    fastckpt.save(state_for(1, 2), root, step=1)
+    d, body = _shard(root, 1)
+    c = body["tensors"]["w"]["chunks"][0]
+    path = os.path.join(d, c["file"])
+    with open(path, "r+b") as f:
+        f.seek(c["offset"] + 12345)
+        b = f.read(1)
+        f.seek(c["offset"] + 12345)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(fastckpt.CorruptCheckpointError) as ei:
+        fastckpt.load(blank(2), root)
+    msg = str(ei.value)
+    assert c["file"] in msg and "'w'" in msg and f"offset {c['offset']}" in msg
+    assert "checksum mismatch" in msg
+    assert ei.value.key == "w" and ei.value.offset == c["offset"]
+    # with verification off the damaged bytes load (the user asked for it)
+    st = blank(2)
+    assert fastckpt.load(st, root, verify=False) == 1
+
+
+def test_truncated_shard_is_detected(root):
+    fastckpt.save(state_for(1, 2), root, step=1)
+    d, body = _shard(root, 1)
+    name, info = next(iter(body["files"].items()))
+    os.truncate(os.path.join(d, name), info["size"] - 100)
+    with pytest.raises(fastckpt.CorruptCheckpointError, match="truncated") as ei:
+        fastckpt.load(blank(2), root)
+    assert name in str(ei.value)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty"])
+def test_damaged_manifest_is_detected(root, damage):
+    fastckpt.save(state_for(1, 1), root, step=1)
+    fastckpt.save(state_for(2, 1), root, step=2)
+    path = os.path.join(root, "step-0000000002", "manifest.json")
+    data = bytearray(open(path, "rb").read())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "flip":
+        i = data.index(b'"length": ') + len('"length": ')
+        data[i] = ord("9") if data[i] != ord("9") else ord("8")  # still valid JSON
+    else:
+        data = bytearray()
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(fastckpt.CorruptCheckpointError) as ei:
+        fastckpt.load(blank(1), root)
+    assert "manifest.json" in str(ei.value) and "step-0000000002" in str(ei.value)
+    # the older step is still there and loads when asked for explicitly
+    st = blank(1)
+    assert fastckpt.load(st, root, step=1) == 1 and torch.equal(st["w"], state_for(1, 1)["w"])
+
+
+# ------------------------------------------------------------------------------------- bad input
+
+class Opaque:
+    pass
+
+
+@pytest.mark.parametrize("bad,where", [
+    ({"a": {"b": [1, Opaque()]}}, "a.b.1"),
+    ({"x": object()}, "x"),
+    ({"s": {1, 2}}, "s"),
+    ({"b": b"bytes"}, "b"),
+    ({"t": torch.zeros(3).to_sparse()}, "t"),
+])
+def test_unsupported_objects_fail_before_writing(root, bad, where):
+    fastckpt.save(state_for(1, 1), root, step=1)
+    before = sorted(os.listdir(root))
+    with pytest.raises(fastckpt.UnsupportedStateError) as ei:
+        fastckpt.save({"ok": torch.ones(2), **bad}, root, step=2)
+    assert isinstance(ei.value, TypeError)
+    assert repr(where) in str(ei.value) or f"tensor {where!r}" in str(ei.value)
+    assert sorted(os.listdir(root)) == before
+
+
+def test_state_must_be_a_dict(root):
+    with pytest.raises(TypeError, match="state must be a dict"):
+        fastckpt.save([torch.ones(1)], root, step=0)
+
+
+def test_missing_key_shape_and_dtype_mismatch(root):
+    m = mlp(0)
+    fastckpt.save({"model": m, "step": 1}, root, step=1)
+    with pytest.raises(fastckpt.StateMismatchError, match="missing from the checkpoint") as ei:
+        fastckpt.load({"model": mlp(1), "step": 0, "extra": torch.zeros(2)}, root)
+    assert ei.value.key == "extra"
+    with pytest.raises(fastckpt.StateMismatchError, match="shape mismatch") as ei:
+        fastckpt.load({"model": mlp(1, width=34), "step": 0}, root)
+    assert ei.value.key == "model.0.weight"
+    with pytest.raises(fastckpt.StateMismatchError, match="dtype mismatch"):
+        fastckpt.load({"model": mlp(1).double(), "step": 0}, root)
+    # non-strict loading leaves extra destination keys alone
+    st = {"model": mlp(1), "step": 0, "extra": torch.zeros(2)}
+    assert fastckpt.load(st, root, strict=False) == 1
+    assert torch.equal(st["model"][0].weight, m[0].weight)
+
+
+def test_empty_and_missing_roots(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(fastckpt.CheckpointNotFoundError, match="no committed checkpoint"):
+        fastckpt.load(blank(1), str(empty))
+    with fastckpt.Checkpointer(str(tmp_path / "never-created")) as ck:
+        assert ck.resume(blank(1)) is None
+    (empty / "step-0000000004").mkdir()
+    with pytest.raises(fastckpt.CheckpointNotFoundError, match="1 step directories, none"):
+        fastckpt.load(blank(1), str(empty))
+    with pytest.raises(fastckpt.CheckpointNotFoundError, match="step 3"):
+        fastckpt.load(blank(1), str(empty), step=3)
+
+
+def test_unwritable_root(tmp_path):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    with pytest.raises(fastckpt.StorageError) as ei:
+        fastckpt.save(state_for(1, 1), str(f / "ckpt"), step=1)
+    assert "a-file" in str(ei.value)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    d = tmp_path / "tiny"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(d)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield str(d)
+    finally:
+        subprocess.run(["umount", "-l", str(d)])
+
+
+@pytest.fixture
+def readonly_fs(tmp_path):
+    d = tmp_path / "ro"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(d)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield str(d)
+    finally:
+        subprocess.run(["umount", "-l", str(d)])
+
+
+def test_read_only_root(readonly_fs):
+    with pytest.raises(fastckpt.StorageError, match="read-only") as ei:
+        fastckpt.save(state_for(1, 1), readonly_fs, step=1)
+    assert readonly_fs in str(ei.value)
+
+
+def test_full_disk_keeps_previous_checkpoint(small_fs):
+    root = os.path.join(small_fs, "ckpt")
+    fastckpt.save(state_for(1, 1), root, step=1)
+    with fastckpt.Checkpointer(root) as ck:
+        h = ck.save(state_for(2, 8), step=2)  # 8 MiB into what is left of 6 MiB
+        with pytest.raises(fastckpt.SaveFailedError) as ei:
+            h.wait()
+    msg = str(ei.value)
+    assert "device is full" in msg and "rank 0" in msg and ".fck" in msg
+    assert isinstance(ei.value.__cause__, fastckpt.StorageError)
+    st = blank(1)
+    assert fastckpt.load(st, root) == 1 and torch.equal(st["w"], state_for(1, 1)["w"])
+    # the failed attempt's partial shard is removed by the next successful commit
+    fastckpt.save(state_for(3, 1), root, step=3)
+    assert sorted(os.listdir(root)) == ["latest", "step-0000000001", "step-0000000003"]
+
+
+# ------------------------------------------------------------------------- background failures
+
+def test_background_failure_surfaces_on_next_save_and_close(small_fs):
+    root = os.path.join(small_fs, "ckpt")
+    ck = fastckpt.Checkpointer(root)
+    ck.save(state_for(1, 8), step=1)  # fails in the background; nobody waits
+    with pytest.raises(fastckpt.SaveFailedError):
+        ck.save(state_for(2, 1), step=2)
+    h = ck.save(state_for(3, 1), step=3)
+    h.wait()
+    ck.save(state_for(4, 8), step=4)
+    with pytest.raises(fastckpt.SaveFailedError):
+        ck.close()
+    ck.close()  # idempotent
+
+
+def test_handle_states(root):
+    with fastckpt.Checkpointer(root) as ck:
+        h = ck.save(state_for(1, 4), step=1)
+        assert h.staged
+        h.wait()
+        assert h.committed and h.done() and h.exception() is None
+        assert "committed" in repr(h)
+    with pytest.raises(ValueError, match="non-negative int"):
+        fastckpt.save(state_for(1, 1), root, step=-1)
+    with pytest.raises(ValueError, match="keep_last"):
+        fastckpt.Checkpointer(root, keep_last=0)
+
+
+# ------------------------------------------------------------- the commit protocol, with threads
+
+def _run_commit_threads(world, results, deadline_s, coordinator=lambda res: {"n": len(res)},
+                        skip=()):
+    ex = _dist.Exchange()  # no process group: an in-process exchange
+    out = {}
+
+    def one(r):
+        try:
+            out[r] = commit(ex, save_id="s1", rank=r, world_size=world, result=results[r],
+                            deadline=time.monotonic() + deadline_s, coordinator=coordinator)
+        except Exception as e:  # noqa: BLE001
+            out[r] = e
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(world) if r not in skip]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out, time.monotonic() - t0
+
+
+def test_commit_all_ok():
+    out, _ = _run_commit_threads(3, [{"ok": True}] * 3, 5)
+    assert all(o == {"ok": True, "n": 3} for o in out.values())
+
+
+def test_commit_names_failing_ranks():
+    res = [{"ok": True}, {"ok": False, "error": "disk full"}, {"ok": False, "error": "EIO"}]
+    out, _ = _run_commit_threads(3, res, 5)
+    for o in out.values():
+        assert isinstance(o, fastckpt.SaveFailedError)
+        assert o.failures == {1: "disk full", 2: "EIO"}
+        assert "rank 1: disk full" in str(o) and "rank 2: EIO" in str(o)
+
+
+def test_commit_missing_rank_times_out_in_bounded_time():
+    out, took = _run_commit_threads(3, [{"ok": True}] * 3, 1.0, skip=(2,))
+    assert 0.9 <= took < 3
+    for r in (0, 1):
+        assert isinstance(out[r], fastckpt.CommitTimeoutError) and out[r].missing_ranks == [2]
+
+
+def test_commit_coordinator_failure_reaches_everyone():
+    def boom(_):
+        raise OSError(28, "No space left on device")
+    out, _ = _run_commit_threads(2, [{"ok": True}] * 2, 5, coordinator=boom)
+    assert all(isinstance(o, fastckpt.SaveFailedError) for o in out.values())
+    assert isinstance(out[0].__cause__, OSError)
+    assert "commit failed" in str(out[1])
