@@ -621,7 +621,7 @@ def summarize(raw: dict, *, state_size: int | None = None, step_drain_s: float =
         "ranks": raw["ranks"], "rows": rows, "fastckpt_speedup": speedup,
         "fastckpt_staged_s": staged, "fastckpt_first_save": first,
         "cache": ("cold (evicted)" if evicted and all(evicted) else
-                  "n/a (remote)" if all(e is None for e in evicted) else "warm (eviction failed)"),
+                  "n/a (fsspec URL)" if all(e is None for e in evicted) else "warm (eviction failed)"),
         "grace": grace,
         "machine": {"host": socket.gethostname(), "cpus": os.cpu_count(),
                     "python": platform.python_version(), "platform": platform.platform()},

@@ -699,6 +699,9 @@ def bench(target: str, size: int, ranks: int, state_size: int | None, step_drain
                                  param_hint="--contenders")
     if safety < 0 or step_drain < 0 or barrier < 0 or safety_min < 0:
         raise click.BadParameter("must be >= 0", param_hint="--safety/--step-drain/--barrier")
+    if ranks > 1 and target.startswith("memory://"):
+        raise click.BadParameter("memory:// lives in one process; --ranks > 1 needs storage "
+                                 "the rank processes share", param_hint="--ranks")
     need = int(size * 2.1)
     avail = B.mem_available()
     if avail is not None and need > avail and not force:
@@ -727,7 +730,7 @@ def bench(target: str, size: int, ranks: int, state_size: int | None, step_drain
             if ev.get("event") == "start":
                 prog.update(task, description=ev["phase"])
             elif ev.get("event") == "end":
-                prog.console.print(f"  {ev['phase']:<14} {ev['seconds']:8.2f} s  "
+                prog.console.print(f"  {ev['phase']:<20} {ev['seconds']:8.2f} s  "
                                    f"{_rate(ev.get('bytes'), ev.get('seconds')):>12}",
                                    highlight=False, markup=False)
         try:
@@ -800,7 +803,7 @@ def _print_bench(rep: dict) -> None:
         _echo("")
         _echo(f"Grace window for a {_hb(g['state_bytes'])} state (fastckpt save at "
               f"{_hb(g['save_bytes_per_s'])}/s):")
-        _echo(f"  T_grace >= {g['write_s']:.1f} s write + {g['step_drain_s']:.0f} s step drain + "
+        _echo(f"  T_grace >= {g['write_s']:.2f} s write + {g['step_drain_s']:.0f} s step drain + "
               f"{g['barrier_s']:.0f} s barrier + {g['safety_s']:.0f} s safety = {g['seconds']} s")
         _echo(f"  Slurm:      #SBATCH --signal=USR1@{g['seconds']}   (B:USR1@{g['seconds']} when "
               "the batch script itself runs training; for preemption, GraceTime >= "

@@ -84,9 +84,10 @@ class FastCkptReader(StorageReader):
 
     def __init__(self, root: str | Storage, step: int | None = None, *, verify: bool = True,
                  rank: int | None = None, body: dict | None = None,
-                 step_dir: str | None = None) -> None:
+                 step_dir: str | None = None, storage_options: dict | None = None) -> None:
         super().__init__()
-        self.storage = root if isinstance(root, Storage) else open_storage(str(root))
+        self.storage = (root if isinstance(root, Storage)
+                        else open_storage(str(root), storage_options=storage_options))
         if body is None:
             step, step_dir, body = find_step(self.storage, step)
         assert step_dir is not None

@@ -716,7 +716,11 @@ def _age(now: float, t: float | None) -> str:
     if t is None:
         return "?"
     s = max(0.0, now - t)
-    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 7200:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h" if s < 172800 else f"{s / 86400:.0f} days"
 
 
 def plan_gc(root: str | Storage, keep: int | None, *, grace: float = INFLIGHT_GRACE_S,

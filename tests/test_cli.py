@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -159,6 +160,15 @@ def roots(tmp_path_factory) -> dict:
     return r
 
 
+def _bench2(target: str, res: dict) -> None:
+    from fastckpt import bench
+    try:
+        res["bench2"] = bench.summarize(bench.run_bench(target, 16 << 20, ranks=2,
+                                                        contenders=("raw", "fastckpt")))
+    except BaseException as e:  # noqa: BLE001 - reported by the test
+        res["bench2"] = e
+
+
 @pytest.fixture(scope="module")
 def runs(roots) -> dict:
     """Every console-script run, started at once; name -> {"rc", "out", "err"} (+ "proc")."""
@@ -169,10 +179,8 @@ def runs(roots) -> dict:
     base = r["base"]
     env = dict(os.environ, FASTCKPT_RESUME_STEP="999", FASTCKPT_NO_PROGRESS="1")
     cmds = {
-        "version": ["--version"],
         "resume_json": ["resume", r["main"], "--json"],
         "resume_empty": ["resume", r["empty"]],
-        "resume_file": ["resume", r["afile"]],
         "ls_json": ["ls", r["main"], "--json"],
         "verify_all": ["verify", r["verify"], "--all"],
         "gc_dry": ["gc", r["gc_dry"], "--keep", "1"],
@@ -180,9 +188,6 @@ def runs(roots) -> dict:
         "inspect": ["inspect", r["main"]],
         "bench": ["bench", r["bench"], "--size", "32MiB", "--report",
                   os.path.join(base, "rep.json"), "--png", os.path.join(base, "chart.png")],
-        "bench2": ["bench", r["bench"] + "-2", "--size", "16MiB", "--ranks", "2",
-                   "--contenders", "raw,fastckpt", "--png", "",
-                   "--report", os.path.join(base, "rep2.json")],
         "exec_fresh": ["resume", r["empty"], "--", sys.executable, "-c", CHILD,
                        os.path.join(base, "fresh.json"), "nowait"],
         "exec": ["resume", r["main"], "--", sys.executable, "-c", CHILD,
@@ -193,12 +198,16 @@ def runs(roots) -> dict:
                                  stderr=subprocess.PIPE, text=True, env=env, cwd=base)
              for k, v in cmds.items()}
     res: dict = {"before": before}
+    # meanwhile, a 2-rank bench from Python (its ranks are worker processes)
+    th = threading.Thread(target=_bench2, args=(r["bench"] + "-2", res), daemon=True)
+    th.start()
     for k, p in procs.items():
         if k == "exec":
             res[k] = {"proc": p}  # test_resume_exec talks to it
             continue
         out, err = p.communicate(timeout=240)
         res[k] = {"rc": p.returncode, "out": out, "err": err}
+    th.join(timeout=240)
     yield res
     p = procs["exec"]
     if p.poll() is None:
@@ -207,12 +216,6 @@ def runs(roots) -> dict:
 
 
 # ------------------------------------------------------------------------- console script
-
-def test_version(runs):
-    r = runs["version"]
-    assert r["rc"] == 0, r["err"]
-    assert fastckpt.__version__ in r["out"] and "I/O backend:" in r["out"]
-
 
 def test_resume_prints_newest_committed(runs, roots):
     r = runs["resume_json"]
@@ -226,9 +229,6 @@ def test_resume_exit_codes(runs):
     r = runs["resume_empty"]
     assert r["rc"] == 3 and r["out"] == ""
     assert "no committed checkpoint" in r["err"] and len(r["err"].strip().splitlines()) == 1
-    r = runs["resume_file"]
-    assert r["rc"] == 4 and "Traceback" not in r["err"]
-    assert len(r["err"].strip().splitlines()) == 1
 
 
 def test_resume_exec_env_and_signal(runs, roots):
@@ -347,16 +347,24 @@ def test_bench_writes_report_chart_and_record(runs, roots):
 
 
 def test_bench_two_ranks(runs, roots):
-    r = runs["bench2"]
-    assert r["rc"] == 0, r["err"]
-    with open(os.path.join(roots["base"], "rep2.json")) as f:
-        rep = json.load(f)
+    rep = runs["bench2"]
+    if isinstance(rep, BaseException):
+        raise rep
     assert rep["ranks"] == 2 and {x["name"] for x in rep["rows"]} == {"raw", "fastckpt"}
     assert all(x["write_s"] > 0 and x["read_s"] > 0 for x in rep["rows"])
-    assert os.listdir(roots["bench"] + "-2") == [".fastckpt-bench.json"]
+    assert rep["state_bytes"] > 15 << 20 and rep["grace"]["seconds"] > 0
+    assert os.listdir(roots["bench"] + "-2") == []  # the work directory was removed
 
 
 # ------------------------------------------------------------------------------- in-process
+
+def test_version_and_unreadable_root(roots, capsys):
+    rc, out, _ = call("--version", capsys=capsys)
+    assert rc == 0 and fastckpt.__version__ in out and "I/O backend:" in out
+    rc, out, err = call("resume", roots["afile"], capsys=capsys)
+    assert rc == 4 and out == "" and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
 
 def test_info_json(capsys):
     rc, out, _ = call("info", "--json", capsys=capsys)
