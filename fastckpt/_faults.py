@@ -3,12 +3,16 @@
 Read at each call (not at import) so tests can set it per subprocess. Points:
 ``after_stage``, ``mid_shard_write``, ``after_shard_write``, ``before_manifest``,
 ``manifest_tmp_written``, ``after_manifest``, ``during_retention``. Never set it in production.
+
+``FASTCKPT_TEST_THROTTLE_MIBPS=<MiB/s>`` makes each shard write take at least bytes / rate
+(a slow disk, for the preemption tests' budget decisions).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 
 def armed(name: str, rank: int) -> bool:
@@ -22,3 +26,12 @@ def armed(name: str, rank: int) -> bool:
 def point(name: str, rank: int) -> None:
     if armed(name, rank):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def throttle(nbytes: int, started: float) -> None:
+    """Sleep until a write of ``nbytes`` begun at ``started`` (perf_counter) took bytes/rate."""
+    rate = os.environ.get("FASTCKPT_TEST_THROTTLE_MIBPS")
+    if rate and nbytes:
+        left = started + nbytes / (float(rate) * (1 << 20)) - time.perf_counter()
+        if left > 0:
+            time.sleep(left)

@@ -280,7 +280,6 @@ def run_rank(cfg: dict, rank: int, world: int, emit: Emit) -> dict:
 
     total = int(cfg["size"])
     share = total // world
-    st = open_storage(work)
     if "raw" in contenders:
         raw_dir = _join(work, "raw")
         rs = open_storage(raw_dir)
@@ -290,7 +289,8 @@ def run_rank(cfg: dict, rank: int, world: int, emit: Emit) -> dict:
         n = max(4096, share // 4096 * 4096)
         buf = aligned_buffer(n)
         emit({"event": "start", "phase": "prepare raw data"})
-        torch.frombuffer(buf, dtype=torch.int64).random_(generator=torch.Generator().manual_seed(rank))
+        gen = torch.Generator().manual_seed(rank)
+        torch.frombuffer(buf, dtype=torch.int64).random_(generator=gen)
         path = rs.join(f"r{rank:05d}.bin")
         timed("raw write", lambda: rs.write_shard(path, buf, n, []), n * world)
         cold(raw_dir)
@@ -403,7 +403,6 @@ def run_rank(cfg: dict, rank: int, world: int, emit: Emit) -> dict:
                 timed("dcp load", lambda: dcp.load(state, storage_reader=reader_fn(),
                                                    no_dist=no_dist), state_bytes)
             rm(ddir)
-    del state
     return out
 
 
@@ -621,7 +620,8 @@ def summarize(raw: dict, *, state_size: int | None = None, step_drain_s: float =
         "ranks": raw["ranks"], "rows": rows, "fastckpt_speedup": speedup,
         "fastckpt_staged_s": staged, "fastckpt_first_save": first,
         "cache": ("cold (evicted)" if evicted and all(evicted) else
-                  "n/a (fsspec URL)" if all(e is None for e in evicted) else "warm (eviction failed)"),
+                  "n/a (fsspec URL)" if all(e is None for e in evicted)
+                  else "warm (eviction failed)"),
         "grace": grace,
         "machine": {"host": socket.gethostname(), "cpus": os.cpu_count(),
                     "python": platform.python_version(), "platform": platform.platform()},

@@ -14,7 +14,7 @@ which are usable from Python. Exit codes (also in ``fastckpt --help`` and docs/c
          missing fsspec backend
     70   internal error (a bug: the traceback is printed)
     126  resume -- CMD: CMD is not executable      127  resume -- CMD: CMD not found
-    130  interrupted (Ctrl-C)
+    130  interrupted (Ctrl-C)    141  stdout was closed early (``fastckpt ls ROOT | head``)
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ EXIT_INTERNAL = 70
 EXIT_NOT_EXECUTABLE = 126
 EXIT_NOT_FOUND = 127
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # stdout closed early (as if killed by SIGPIPE)
 
 EXIT_CODES_HELP = """\b
 Exit codes:
@@ -54,7 +55,7 @@ Exit codes:
   4    storage error: the root cannot be read (or written: gc, bench)
   70   internal error (a bug)
   126/127  resume -- CMD: CMD not executable / not found
-  130  interrupted"""
+  130  interrupted; 141 stdout closed early (| head)"""
 
 ENV_STEP = "FASTCKPT_RESUME_STEP"
 ENV_PATH = "FASTCKPT_RESUME_PATH"
@@ -128,6 +129,11 @@ def _table(*headers: str, title: str | None = None):
               show_edge=False, pad_edge=False, header_style="bold" if sys.stdout.isatty()
               else None)
     return t
+
+
+def _add_row(table: Any, *cells: str) -> None:
+    from rich.text import Text
+    table.add_row(*(Text(str(c)) for c in cells))  # no markup: names and paths may hold "[...]"
 
 
 def _print_table(table: Any) -> None:
@@ -294,7 +300,6 @@ def resume(root: str, cmd: tuple[str, ...], as_json: bool, do_verify: bool, quie
                        hint="resume would fail; remove that step directory to resume from the "
                             "previous step (fastckpt ls shows them)") from None
     if found is not None and do_verify:
-        from .tools import verify_step
         res = _run_verify(storage, found, record=True)
         if not res.ok:
             raise CliError(f"step {found[0]} is damaged: {res.problems[0]}"
@@ -374,7 +379,7 @@ def ls_cmd(root: str, as_json: bool, grace: float | None) -> int:
         note = "latest" if r.latest else (r.error or "")
         if r.state == "writing":
             note = "in-flight marker" if r.inflight_since else "recently modified"
-        t.add_row(str(r.step), r.state, _when(r.created_unix), _hb(r.size_bytes),
+        _add_row(t, str(r.step), r.state, _when(r.created_unix), _hb(r.size_bytes),
                   str(r.world_size) if r.world_size else "-", chk, note)
     _print_table(t)
     newest = recs[-1]
@@ -457,7 +462,11 @@ def verify(root: str, step: int | None, all_steps: bool, jobs: int, no_record: b
                            f"under {rootd} ({detail})", EXIT_NO_CHECKPOINT,
                            hint="see fastckpt ls") from None
         except CorruptCheckpointError as e:
-            problems_outside.append({"step": s, "ok": False, "problems": [
+            from . import format as fmt
+            bad_step = s
+            if bad_step is None and e.file:  # the newest step's manifest
+                bad_step = fmt.parse_step_dirname(e.file.rstrip("/").split("/")[-2])
+            problems_outside.append({"step": bad_step, "path": e.file, "ok": False, "problems": [
                 {"kind": "manifest", "message": str(e), "file": e.file}]})
             continue
         res = _run_verify(storage, found, record=not no_record, jobs=jobs)
@@ -538,7 +547,7 @@ def gc(root: str, keep: int | None, yes: bool, grace: float | None, as_json: boo
     for a in actions:
         act = ("removed" if a.done else "skipped" if a.skipped else
                "remove" if a.remove else "keep")
-        t.add_row(str(a.record.step), a.record.state, _hb(a.record.size_bytes), act,
+        _add_row(t, str(a.record.step), a.record.state, _hb(a.record.size_bytes), act,
                   a.skipped or a.reason)
     _print_table(t)
     if not yes:
@@ -600,11 +609,11 @@ def inspect(root: str, step: int | None, chunks: bool, pattern: str | None, valu
     total = 0
     for x in doc["tensors"]:
         total += x["bytes"]
-        t.add_row(x["name"], x["dtype"], _shape(x["shape"]), _hb(x["bytes"]), x["sharding"])
+        _add_row(t, x["name"], x["dtype"], _shape(x["shape"]), _hb(x["bytes"]), x["sharding"])
         if chunks:
             for c in x["chunks"]:
                 box = "+".join(_shape(v) for v in (c["offsets"], c["sizes"]))
-                t.add_row(f"  chunk {box}", "", "", _hb(c["length"]),
+                _add_row(t, f"  chunk {box}", "", "", _hb(c["length"]),
                           f"rank {c['rank']}, {c['file']} @ {c['offset']}")
     _print_table(t)
     _echo(f"total tensor bytes: {_hb(total)}")
@@ -778,9 +787,9 @@ def _print_bench(rep: dict) -> None:
     t = _table("METHOD", "WRITE/SAVE", "GiB/s", "VS RAW", "READ/LOAD", "GiB/s", "VS RAW")
     for r in rep["rows"]:
         if r.get("skipped"):
-            t.add_row(r["label"], "skipped", "", "", "", "", r["skipped"][:60])
+            _add_row(t, r["label"], "skipped", "", "", "", "", r["skipped"][:60])
             continue
-        t.add_row(r["label"],
+        _add_row(t, r["label"],
                   f"{r['write_s']:.2f} s" if r["write_s"] else "-",
                   f"{r['write_bytes_per_s'] / gib:.2f}" if r["write_bytes_per_s"] else "-",
                   _x(r["write_vs_raw"]),
@@ -822,14 +831,12 @@ def _code_for(e: BaseException) -> int:
         return EXIT_NO_CHECKPOINT
     if isinstance(e, StorageError):
         return EXIT_STORAGE
-    if isinstance(e, CorruptCheckpointError):
-        return EXIT_PROBLEM
-    return EXIT_PROBLEM
+    return EXIT_PROBLEM  # CorruptCheckpointError and the rest
 
 
 _HINTS = {
     EXIT_NO_CHECKPOINT: "start fresh, or check ROOT",
-    EXIT_STORAGE: "check that ROOT exists and is readable (path, URL, credentials)",
+    EXIT_STORAGE: "check ROOT: the path or URL, permissions, credentials",
     EXIT_PROBLEM: "run `fastckpt verify ROOT` for details",
 }
 
@@ -846,6 +853,14 @@ def main(argv: list[str] | None = None) -> None:
     _set_json(False)
     try:
         rc = cli.main(args=argv, prog_name="fastckpt", standalone_mode=False)
+    except SystemExit as e:
+        # click turns EPIPE on stdout (`fastckpt ls ROOT | head`) into sys.exit(1) after
+        # wrapping stdout; report it like a program killed by SIGPIPE, not as "problem found"
+        from click.utils import PacifyFlushWrapper
+        if e.code == 1 and isinstance(sys.stdout, PacifyFlushWrapper):
+            rc = EXIT_BROKEN_PIPE
+        else:
+            raise
     except click.ClickException as e:
         e.show()
         rc = e.exit_code
@@ -865,7 +880,7 @@ def main(argv: list[str] | None = None) -> None:
             os.dup2(devnull, sys.stdout.fileno())
         except OSError:
             pass
-        rc = EXIT_OK
+        rc = EXIT_BROKEN_PIPE
     except OSError as e:
         rc = _fail(f"{e}; {_HINTS[EXIT_STORAGE]}", EXIT_STORAGE)
     except Exception:  # a bug: show everything

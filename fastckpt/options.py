@@ -17,6 +17,23 @@ class CheckpointOptions:
     verify: check every chunk's checksum on load.
     strict: a key the state has but the checkpoint lacks (or a module key the checkpoint has
         but the module lacks) is an error on load.
+
+    Preemption (see docs/preemption.md; the trap is installed when ``grace_s`` is set, when
+    ``preempt`` is true, or at the first ``save(..., on_preempt=True)``):
+
+    grace_s: seconds from the first stop signal to the platform's SIGKILL (None: the platform
+        default, see ``platform_grace``). FASTCKPT_GRACE_S.
+    preempt: install the signal trap at construction even without ``grace_s``.
+    preempt_signals: signals that mean "preempted, save and restart me". FASTCKPT_PREEMPT_SIGNALS.
+    cancel_signals: signals that mean "save and stop for good" (exit 0), e.g. ("SIGINT",).
+    preempt_consensus: "store" (out of band over the c10d store, no per-step collective) or
+        "allreduce" (a gather of the stop flags on every ``on_preempt`` call).
+    preempt_margin_s: seconds of the grace window kept for the barrier and the exit.
+    preempt_exit: exit the process after the emergency checkpoint (False: ``save`` returns and
+        ``Checkpointer.preemption.exit_code`` says what to exit with).
+    assumed_write_mibps: shard write bandwidth assumed before any save was measured.
+    event_log: directory for the JSON-lines event log (one file per rank); None: ``<root>/events``
+        for local roots, no log for remote ones. FASTCKPT_EVENT_LOG.
     """
 
     keep_last: int | None = None
@@ -25,6 +42,15 @@ class CheckpointOptions:
     direct_io: bool = True
     verify: bool = True
     strict: bool = True
+    grace_s: float | None = None
+    preempt: bool = False
+    preempt_signals: tuple = ("SIGTERM", "SIGUSR1")
+    cancel_signals: tuple = ()
+    preempt_consensus: str = "store"
+    preempt_margin_s: float = 1.0
+    preempt_exit: bool = True
+    assumed_write_mibps: float = 200.0
+    event_log: str | None = None
 
     def __post_init__(self) -> None:
         if self.keep_last is not None and (not isinstance(self.keep_last, int)
@@ -36,6 +62,22 @@ class CheckpointOptions:
             raise ValueError(f"native must be 'auto', 'require' or 'off', got {self.native!r} "
                              "(FASTCKPT_NATIVE)")
 
+        if self.grace_s is not None and not (self.grace_s > 0):
+            raise ValueError(f"grace_s must be > 0 seconds or None, got {self.grace_s!r}")
+        if self.preempt_consensus not in ("store", "allreduce"):
+            raise ValueError("preempt_consensus must be 'store' or 'allreduce', got "
+                             f"{self.preempt_consensus!r}")
+        import signal as _signal
+        for name in tuple(self.preempt_signals) + tuple(self.cancel_signals):
+            if not isinstance(name, str) or not isinstance(getattr(_signal, name, None),
+                                                           _signal.Signals):
+                raise ValueError(f"unknown signal {name!r} in preempt_signals/cancel_signals "
+                                 "(use names such as 'SIGTERM', 'SIGUSR1', 'SIGINT')")
+        if set(self.preempt_signals) & set(self.cancel_signals):
+            raise ValueError("a signal cannot be in both preempt_signals and cancel_signals")
+        if not (self.preempt_margin_s >= 0) or not (self.assumed_write_mibps > 0):
+            raise ValueError("preempt_margin_s must be >= 0 and assumed_write_mibps > 0")
+
     def with_changes(self, **changes) -> "CheckpointOptions":
         return replace(self, **changes)
 
@@ -44,7 +86,8 @@ def options_from_env(base: CheckpointOptions | None = None,
                      environ: dict | None = None) -> CheckpointOptions:
     """Apply FASTCKPT_* environment variables on top of ``base``.
 
-    FASTCKPT_NATIVE=auto|require|off, FASTCKPT_DIRECT_IO=0|1, FASTCKPT_COMMIT_TIMEOUT_S=seconds.
+    FASTCKPT_NATIVE=auto|require|off, FASTCKPT_DIRECT_IO=0|1, FASTCKPT_COMMIT_TIMEOUT_S=seconds,
+    FASTCKPT_GRACE_S=seconds, FASTCKPT_PREEMPT_SIGNALS=SIGTERM,SIGUSR1, FASTCKPT_EVENT_LOG=dir.
     """
     env = os.environ if environ is None else environ
     base = base or CheckpointOptions()
@@ -53,6 +96,32 @@ def options_from_env(base: CheckpointOptions | None = None,
         changes["native"] = env["FASTCKPT_NATIVE"].strip().lower()
     if "FASTCKPT_DIRECT_IO" in env:
         changes["direct_io"] = env["FASTCKPT_DIRECT_IO"].strip() not in ("0", "false", "no", "")
+    if "FASTCKPT_GRACE_S" in env:
+        changes["grace_s"] = float(env["FASTCKPT_GRACE_S"])
+    if "FASTCKPT_PREEMPT_SIGNALS" in env:
+        changes["preempt_signals"] = tuple(
+            n.strip().upper() for n in env["FASTCKPT_PREEMPT_SIGNALS"].split(",") if n.strip())
+    if "FASTCKPT_EVENT_LOG" in env:
+        changes["event_log"] = env["FASTCKPT_EVENT_LOG"]
     if "FASTCKPT_COMMIT_TIMEOUT_S" in env:
         changes["commit_timeout_s"] = float(env["FASTCKPT_COMMIT_TIMEOUT_S"])
     return base.with_changes(**changes) if changes else base
+
+
+#: (platform, grace window in seconds, how it is known) when ``grace_s`` is not configured.
+#: None of these platforms exports its kill deadline to the process, so these are their
+#: documented defaults; set ``grace_s``/FASTCKPT_GRACE_S when yours differs.
+_PLATFORM_GRACE = (
+    ("torchrun", "TORCHELASTIC_RUN_ID", 30.0, "agent SIGKILLs workers 30 s after forwarding"),
+    ("slurm", "SLURM_JOB_ID", 30.0, "KillWait default 30 s"),
+    ("kubernetes", "KUBERNETES_SERVICE_HOST", 30.0, "terminationGracePeriodSeconds default 30 s"),
+)
+
+
+def platform_grace(environ: dict | None = None) -> tuple[str, float, str]:
+    """(platform, grace seconds, source) from the environment; ("unknown", 30, ...) if none."""
+    env = os.environ if environ is None else environ
+    for name, var, grace, why in _PLATFORM_GRACE:
+        if var in env:
+            return name, grace, f"{var} set: {why}"
+    return "unknown", 30.0, "no platform detected: assumed 30 s"

@@ -110,7 +110,7 @@ def _entries(storage: Storage, d: str) -> dict[str, tuple[int | None, float | No
         out = {}
         try:
             it = os.scandir(d)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # gone, or a stray file named step-*
             return {}
         except OSError as e:
             from .storage.base import storage_error
@@ -226,14 +226,14 @@ def _describe_one(storage: Storage, step: int, d: str, now: float, grace: float)
             except Exception:
                 t = 0.0
             rec.inflight_since = t if rec.inflight_since is None else max(rec.inflight_since, t)
+    body = None
     if fmt.MANIFEST in ents:
         try:
-            body = read_manifest(storage, d)
+            body = read_manifest(storage, d)  # None: removed since the listing
         except CorruptCheckpointError as e:
             rec.state, rec.error = "corrupt", str(e)
             return rec
-        if body is None:  # removed between the listing and the read
-            return _describe_one(storage, step, d, now, grace)
+    if body is not None:
         rec.state = "committed"
         rec.created_unix = body.get("created_unix")
         rec.world_size = body.get("world_size")
@@ -307,8 +307,9 @@ class Problem:
         if self.tensor is not None:
             parts.append(f"tensor {self.tensor!r}")
         if self.offset is not None:
-            if self.length:
-                parts.append(f"offset {self.offset} (bytes {self.offset}..{self.offset + self.length - 1})")
+            if self.length and self.length > 1:
+                last = self.offset + self.length - 1
+                parts.append(f"offset {self.offset} (bytes {self.offset}..{last})")
             else:
                 parts.append(f"offset {self.offset}")
         return (", ".join(parts) + ": " if parts else "") + self.message
@@ -405,7 +406,9 @@ def _check_manifest(body: dict, mpath: str) -> tuple[list[Problem], dict[str, li
 
 
 def _verify_file(storage: Storage, d: str, name: str, info: dict, chunks: list,
-                 block: int, progress: ProgressFn | None) -> tuple[list[Problem], int, int]:
+                 block: int, progress: ProgressFn | None,
+                 get_buf: Callable[[int], memoryview] | None = None
+                 ) -> tuple[list[Problem], int, int]:
     """Check one shard file; return (problems, bytes read, chunks checked)."""
     path = f"{d}/{name}"
     declared = int(info["size"])
@@ -449,7 +452,7 @@ def _verify_file(storage: Storage, d: str, name: str, info: dict, chunks: list,
         segs.append([pos, readable, None, None, None])
     segs.sort(key=lambda s: s[0])
     whole = xxhash.xxh3_64()
-    buf = aligned_buffer(min(block, max(readable, 1)))
+    buf = (get_buf or aligned_buffer)(min(block, max(readable, 1)))
     nread = 0
     checked = 0
     open_segs: list[list] = []
@@ -543,9 +546,17 @@ def verify_step(root: str | Storage, step: int | None = None, *, jobs: int = 4,
             with lock:
                 progress(n)
 
+    local = threading.local()  # one read buffer per worker thread, reused across files
+
+    def get_buf(n: int) -> memoryview:
+        b = getattr(local, "buf", None)
+        if b is None or len(b) < n:
+            b = local.buf = aligned_buffer(block_size)
+        return b
+
     def one(name: str):
         return _verify_file(storage, d, name, body["files"][name], by_file.get(name, []),
-                            block_size, prog)
+                            block_size, prog, get_buf)
 
     names = sorted(body["files"])
     workers = max(1, min(jobs, len(names)))
@@ -723,6 +734,10 @@ def _age(now: float, t: float | None) -> str:
     return f"{s / 3600:.1f} h" if s < 172800 else f"{s / 86400:.0f} days"
 
 
+def _busy(r: StepRecord, now: float, grace: float) -> bool:
+    return r.inflight_since is not None and now - r.inflight_since < grace
+
+
 def plan_gc(root: str | Storage, keep: int | None, *, grace: float = INFLIGHT_GRACE_S,
             now: float | None = None) -> list[GcAction]:
     """What ``fastckpt gc --keep N`` does: one action per step directory, ascending.
@@ -730,9 +745,11 @@ def plan_gc(root: str | Storage, keep: int | None, *, grace: float = INFLIGHT_GR
     Removed: committed steps older than the newest ``keep`` committed ones (``keep=None``: no
     committed step), and abandoned partial steps (no manifest, no in-flight marker and no file
     younger than ``grace`` seconds). Never removed: the newest committed step, a step that may
-    be being written, a step whose manifest is damaged (inspect it and remove it by hand). The
-    committed/partial rules are the engine's (:func:`fastckpt.retention.plan_removal`); this
-    adds the file-age and damaged-manifest protections.
+    be being written (a partial step with recent activity, or a committed step with a recent
+    in-flight marker: it is being saved again), a step whose manifest is damaged (inspect it
+    and remove it by hand). The committed/partial rules are the engine's
+    (:func:`fastckpt.retention.plan_removal`); this adds the file-age, re-save and
+    damaged-manifest protections.
     """
     if keep is not None and keep < 1:
         raise ValueError("keep must be >= 1")
@@ -741,10 +758,15 @@ def plan_gc(root: str | Storage, keep: int | None, *, grace: float = INFLIGHT_GR
     recs = describe_steps(storage, grace=grace, now=now)
     eligible = [r for r in recs if r.state in ("committed", "partial")]
     infos = [StepInfo(r.step, r._dir, r.committed, r.inflight_since) for r in eligible]
-    doomed = {i.step for i in plan_removal(infos, keep, now=now)}
+    # a committed step being saved again (a job that went back to an earlier step)
+    resaving = {r.step for r in eligible if r.committed and _busy(r, now, grace)}
+    doomed = {i.step for i in plan_removal(infos, keep, now=now, protect=resaving)}
     actions = []
     for r in recs:
-        if r.step in doomed and r.state in ("committed", "partial"):
+        if r.step in resaving and not r.latest:
+            actions.append(GcAction(r, False, "a new save of this step is in flight (marker "
+                                    f"{_age(now, r.inflight_since)} old)"))
+        elif r.step in doomed and r.state in ("committed", "partial"):
             why = (f"older than the newest {keep} committed step(s)" if r.committed
                    else "abandoned partial save (no manifest, nothing written for "
                         f"{_age(now, r.modified_unix)})")
@@ -767,20 +789,22 @@ def plan_gc(root: str | Storage, keep: int | None, *, grace: float = INFLIGHT_GR
 
 def run_gc(root: str | Storage, actions: list[GcAction], *, grace: float = INFLIGHT_GRACE_S,
            progress: Callable[[GcAction], None] | None = None) -> list[GcAction]:
-    """Remove the steps ``plan_gc`` marked, re-checking each partial step just before (a save
-    that started since the plan is left alone). Removal deletes the manifest first."""
+    """Remove the steps ``plan_gc`` marked, re-checking each one just before (a step whose state
+    changed or where a save started since the plan is left alone). Removal deletes the
+    manifest first."""
     storage = as_storage(root)
     for a in actions:
         if not a.remove:
             continue
-        if not a.record.committed:
-            now = time.time()
-            fresh = _describe_one(storage, a.record.step, a.record._dir, now, grace)
-            if fresh.state != "partial":
-                a.skipped = f"state changed to {fresh.state} since the plan"
-                if progress:
-                    progress(a)
-                continue
+        now = time.time()
+        fresh = _describe_one(storage, a.record.step, a.record._dir, now, grace)
+        if fresh.state != a.record.state or _busy(fresh, now, grace) or (
+                fresh.committed and fresh.save_id != a.record.save_id):
+            a.skipped = (f"state changed to {fresh.state} since the plan"
+                         if fresh.state != a.record.state else "a save started since the plan")
+            if progress:
+                progress(a)
+            continue
         remove_step(storage, a.record._dir)
         a.done = True
         if progress:

@@ -545,8 +545,8 @@ static PyObject *py_read_into(PyObject *self, PyObject *args, PyObject *kw) {
         return NULL;
     }
     const char *path = PyBytes_AS_STRING(pathb);
-    if (file_offset < 0) {
-        PyErr_SetString(PyExc_ValueError, "file_offset must be >= 0");
+    if (file_offset < 0 || file_offset > (long long)(INT64_MAX / 2)) {
+        PyErr_SetString(PyExc_ValueError, "file_offset out of range");
         goto out;
     }
     if (check_tuning(&block, &depth) || check_nbytes(&view, nbytes)) goto out;
