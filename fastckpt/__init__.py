@@ -11,15 +11,34 @@ network access happen until a Checkpointer is used.
 
 __version__ = "0.1.0"
 
-from .checkpointer import Checkpointer, SaveHandle, load, save  # noqa: E402
-from .errors import (  # noqa: E402
+import importlib
+
+from .errors import (
     CheckpointNotFoundError, CommitTimeoutError, CorruptCheckpointError, FastCkptError,
     SaveFailedError, StateMismatchError, StorageError, UnsupportedStateError)
-from .options import CheckpointOptions  # noqa: E402
-from .reader import FastCkptReader  # noqa: E402
+
+# The engine (torch.distributed, DCP) is imported on first use, so that `import fastckpt` and
+# the command-line tools stay quick (PEP 562).
+_LAZY = {
+    "Checkpointer": ".checkpointer", "SaveHandle": ".checkpointer", "save": ".checkpointer",
+    "load": ".checkpointer", "CheckpointOptions": ".options", "FastCkptReader": ".reader",
+}
 
 __all__ = [
     "Checkpointer", "SaveHandle", "CheckpointOptions", "FastCkptReader", "save", "load",
     "FastCkptError", "UnsupportedStateError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "StateMismatchError", "StorageError", "SaveFailedError", "CommitTimeoutError", "__version__",
 ]
+
+
+def __getattr__(name: str):
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'fastckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

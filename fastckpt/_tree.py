@@ -17,6 +17,7 @@ metadata) plus the callbacks that put plain values and sub-states back once the 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -26,14 +27,10 @@ from .errors import StateMismatchError, UnsupportedStateError
 
 TENSOR_TAG = "$tensor"
 
-try:  # DTensor is public since torch 2.5
-    from torch.distributed.tensor import DTensor
-except Exception:  # pragma: no cover - very old torch
-    DTensor = ()  # type: ignore[assignment]
-
-
 def is_dtensor(x: Any) -> bool:
-    return bool(DTensor) and isinstance(x, DTensor)
+    # a DTensor can only exist once its module was imported: no need to import it here (slow)
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(x, mod.DTensor)
 
 
 def _fqn(path: tuple) -> str:

@@ -646,6 +646,12 @@ def engine_record(report: dict) -> dict:
     def bw(name: str, k: str) -> float | None:
         r = by.get(name)
         return r and r.get(f"{k}_bytes_per_s")
+    n = max(1, int(report["ranks"]))
+    per_rank = {k: (v / n if v else None) for k, v in (
+        ("save", bw("fastckpt", "write")), ("load", bw("fastckpt", "read")),
+        ("raw_write", bw("raw", "write")), ("raw_read", bw("raw", "read")))}
+    staged = report.get("fastckpt_staged_s")
+    per_rank["stage"] = report["state_bytes"] / n / staged if staged else None
     return {
         "format": BENCH_FORMAT, "version": BENCH_VERSION, "target": report["target"],
         "measured_unix": report["measured_unix"], "measured": report["measured"],
@@ -654,6 +660,7 @@ def engine_record(report: dict) -> dict:
         "bandwidth_bytes_per_s": {"raw_write": bw("raw", "write"), "raw_read": bw("raw", "read"),
                                   "save": bw("fastckpt", "write"),
                                   "load": bw("fastckpt", "read")},
+        "per_rank_bytes_per_s": per_rank,
         "save_staged_s": report.get("fastckpt_staged_s"),
         "grace": report.get("grace"), "fastckpt_version": report["fastckpt_version"],
         "io_backend": report.get("io_backend"),

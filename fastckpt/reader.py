@@ -7,7 +7,7 @@ ranks hold (DTensor/FSDP2 placements of any mesh, or whole tensors), and ``read_
 each read item from the shard files. Every chunk read is checked against its xxh3-64 checksum
 before any byte of it is used. No pickle is ever read from storage.
 
-The same reader is public (``fastckpt.dcp.FastCkptReader``), so DCP users can load a fastckpt
+The same reader is public (``fastckpt.FastCkptReader``), so DCP users can load a fastckpt
 checkpoint with ``dcp.load(state_dict, storage_reader=FastCkptReader(root))``.
 """
 

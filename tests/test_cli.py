@@ -347,6 +347,7 @@ def test_bench_writes_report_chart_and_record(runs, roots):
     from fastckpt.bench import read_bench
     rec = read_bench(roots["bench"])
     assert rec is not None and rec["bandwidth_bytes_per_s"]["save"] > 0
+    assert rec["per_rank_bytes_per_s"]["save"] == rec["bandwidth_bytes_per_s"]["save"]  # 1 rank
     assert rec["grace"]["seconds"] == rep["grace"]["seconds"]
     # nothing left behind but the record
     assert os.listdir(roots["bench"]) == [".fastckpt-bench.json"]
