@@ -161,6 +161,43 @@ def _optim_sd(o: torch.optim.Optimizer, modules: list) -> tuple[dict, torch.nn.M
     return get_optimizer_state_dict(model, o), model
 
 
+def _fresh_plain_optimizer(o: torch.optim.Optimizer, modules: list, skel: Any) -> dict | None:
+    """For a freshly built optimizer over plain (non-DTensor) parameters whose saved groups name
+    exactly the model's parameters: ``{id(param): fqn}``. Such an optimizer is loaded straight
+    from the checkpoint; DCP's helper would first run a zero-gradient step to create the state
+    (allocating and computing over every moment) only to overwrite it. Else None."""
+    if o.state:
+        return None
+    model = _model_for(o, modules)
+    if model is None:
+        return None
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = [p for g in o.param_groups for p in g["params"]]
+    if any(is_dtensor(p) for p in params):
+        return None
+    groups = decode_value(_skel_items_dict(skel).get("param_groups", []), lambda f: None)
+    saved = [list(g.get("params", [])) for g in groups] if isinstance(groups, list) else None
+    mine = [[names.get(id(p)) for p in g["params"]] for g in o.param_groups]
+    return names if saved == mine else None
+
+
+def _skel_items_dict(skel: Any) -> dict:
+    items = _skel_items(skel)
+    return dict(items) if items is not None else {}
+
+
+def _by_param_index(o: torch.optim.Optimizer, tree: dict, names: dict) -> dict:
+    """An FQN-keyed optimizer state dict (DCP's layout, as saved) in ``Optimizer.state_dict``'s
+    own layout (parameters numbered in group order)."""
+    index = {}
+    for g in o.param_groups:
+        for p in g["params"]:
+            index[names[id(p)]] = len(index)
+    state = {index[fqn]: v for fqn, v in tree.get("state", {}).items()}
+    groups = [{**g, "params": [index[f] for f in g["params"]]} for g in tree["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
 # ----------------------------------------------------------------------------------------- flatten
 
 @dataclass
@@ -307,6 +344,12 @@ def _plan_slot(container: Any, k: Any, skel: Any, path: tuple, plan: LoadPlan, m
         plan.finish.append(load_module)
         return
     if _is_optimizer(dest):
+        fast = _fresh_plain_optimizer(dest, modules, skel)
+        if fast is not None:  # nothing to initialise: the checkpoint says what there is
+            tree = _checkpoint_driven({}, skel, path, plan, meta, alloc)
+            plan.finish.append(lambda o=dest, tree=tree, names=fast:
+                               o.load_state_dict(_by_param_index(o, tree, names)))
+            return
         sd, model = _optim_sd(dest, modules)
         tree = _checkpoint_driven(sd, skel, path, plan, meta, alloc)
 

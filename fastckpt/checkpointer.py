@@ -22,6 +22,7 @@ Call sequence of ``Checkpointer.save(state, step=s)`` (every rank calls it, coll
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import logging
 import os
@@ -39,13 +40,14 @@ import torch
 
 from . import _dist, _faults
 from . import format as fmt
-from ._native import aligned_buffer, get_backend
+from ._native import get_backend
 from ._tree import flatten, is_dtensor, plan_load
 from .commit import commit
 from .errors import FastCkptError, SaveFailedError, UnsupportedStateError
 from .options import CheckpointOptions, options_from_env
 from .reader import FastCkptReader, find_step
 from .retention import apply_retention
+from .staging import StagingPool, piece_bytes, split, stage_piece
 from .storage import Storage, open_storage
 
 log = logging.getLogger("fastckpt")
@@ -70,11 +72,15 @@ class SavePlan:
     save_id: str
     step: int
     world_size: int
-    my_chunks: tuple  # ChunkSpecs this rank writes, in file order
-    file_offsets: tuple  # byte offset of each of my_chunks in the shard file
-    file_size: int
+    my_chunks: tuple  # ChunkSpecs this rank writes, in key order
     tensors: dict  # fqn -> {"dtype", "shape", "dtensor"}
     trees: list  # per-rank skeletons
+    pieces: tuple = ()  # this rank's shard files (staging.Piece), set by Checkpointer.save
+
+    @property
+    def file_size(self) -> int:
+        """Bytes this rank writes, over all its shard files."""
+        return sum(p.size for p in self.pieces)
 
 
 def _local_chunks(tensors: dict[str, torch.Tensor]) -> tuple[list[ChunkSpec], dict]:
@@ -131,55 +137,9 @@ def make_plan(gathered: list[dict], rank: int, step: int) -> SavePlan:
         if writer == rank:
             mine.append(spec_of[key])
     mine.sort(key=lambda s: (s.fqn, s.offsets))
-    offsets, pos = [], 0
-    for s in mine:
-        # large chunks start on a page (direct I/O reads straight from the file); small ones
-        # are packed at cache-line alignment so thousands of biases do not waste pages
-        pos = fmt.align_up(pos, fmt.ALIGN if s.nbytes >= fmt.SMALL_CHUNK else fmt.SMALL_ALIGN)
-        offsets.append(pos)
-        pos += s.nbytes
     return SavePlan(save_id=gathered[0]["save_id"], step=step, world_size=len(gathered),
-                    my_chunks=tuple(mine), file_offsets=tuple(offsets), file_size=pos,
-                    tensors=tensors, trees=[g["tree"] for g in gathered])
-
-
-# --------------------------------------------------------------------------------------- staging
-
-class StagingBuffer:
-    """One page-aligned host buffer, reused by every save; grows only when the state grows."""
-
-    def __init__(self) -> None:
-        self.view: memoryview | None = None
-        self.tensor: torch.Tensor | None = None
-
-    @property
-    def capacity(self) -> int:
-        return 0 if self.view is None else len(self.view)
-
-    def ensure(self, nbytes: int) -> None:
-        need = fmt.align_up(max(nbytes, 1))
-        if self.capacity < need:
-            self.view = None
-            self.tensor = None
-            self.view = aligned_buffer(need)
-            self.tensor = torch.frombuffer(self.view, dtype=torch.uint8)
-
-    def stage(self, plan: SavePlan, data: dict) -> None:
-        self.ensure(plan.file_size)
-        assert self.tensor is not None
-        for spec, off in zip(plan.my_chunks, plan.file_offsets):
-            if spec.nbytes == 0:
-                continue
-            src = data[(spec.fqn, spec.offsets)]
-            if not src.is_contiguous():
-                src = src.contiguous()
-            self.tensor[off:off + spec.nbytes].copy_(src.reshape(-1).view(torch.uint8))
-        # zero the alignment gaps so the file bytes are deterministic
-        pos = 0
-        for spec, off in zip(plan.my_chunks, plan.file_offsets):
-            if off > pos:
-                self.tensor[pos:off].zero_()
-            pos = off + spec.nbytes
+                    my_chunks=tuple(mine), tensors=tensors,
+                    trees=[g["tree"] for g in gathered])
 
 
 # ---------------------------------------------------------------------------------------- handle
@@ -245,6 +205,8 @@ class _Job:
     step_dir: str
     user_meta: dict = field(default_factory=dict)
     t0: float = 0.0
+    pieces: queue.Queue = field(default_factory=queue.Queue)  # (piece, buffer) as staged
+    deadline: float | None = None  # monotonic; the emergency save's commit deadline
 
 
 # ------------------------------------------------------------------------------------ checkpointer
@@ -271,12 +233,15 @@ class Checkpointer:
         self.rank = _dist.rank()
         self.world_size = _dist.world_size()
         self._exchange: _dist.Exchange | None = None
-        self._buffer = StagingBuffer()
+        self._pool = StagingPool()
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._last: SaveHandle | None = None
         self._closed = False
         self._checked_root = False
+        self._preempt: Any = None
+        if self.options.grace_s is not None or self.options.preempt:
+            self._install_preemption()
         ref = weakref.ref(self)
         self._atexit = lambda: (ref() and ref().close())  # type: ignore[union-attr]
         atexit.register(self._atexit)
@@ -287,15 +252,35 @@ class Checkpointer:
         """"native" or "python": which I/O path writes and reads the shards."""
         return get_backend(self.options.native).name
 
+    @property
+    def preemption(self) -> Any:
+        """The preemption trigger (:class:`fastckpt.preempt.Preemption`), None if not armed."""
+        return self._preempt
+
+    def _install_preemption(self) -> None:
+        from .preempt import Preemption
+        self._preempt = Preemption(self)
+        self._preempt.install()
+
     # -- save ---------------------------------------------------------------------------------
     def save(self, state: dict, *, step: int, block: bool = False,
-             user_meta: dict | None = None) -> SaveHandle:
+             user_meta: dict | None = None, on_preempt: bool = False,
+             _deadline: float | None = None) -> SaveHandle | None:
         """Stage ``state`` and write it in the background as step ``step``; collective.
 
         Returns once the state is staged (safe to modify); ``handle.wait()`` blocks until it is
         committed. ``block=True`` waits here. A failure of the previous background save is
         raised here if nobody observed it yet.
+
+        ``on_preempt=True``: save only if a stop was agreed (docs/preemption.md); returns None
+        (about a microsecond, no collective) otherwise. At the agreed step every rank writes an
+        emergency checkpoint, passes a barrier and exits the process with the documented code.
         """
+        if on_preempt:
+            if self._preempt is None:
+                self._check_open()
+                self._install_preemption()
+            return self._preempt.check(state, step)
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -321,17 +306,30 @@ class Checkpointer:
         gathered = _dist.all_gather_object(
             {"save_id": uuid.uuid4().hex[:12], "specs": specs, "tree": tree, "error": error})
         plan = make_plan(gathered, self.rank, step)
+        cap = self.options.staging_cap_bytes
+        total = sum(c.nbytes for c in plan.my_chunks)
+        plan = dataclasses.replace(plan, pieces=tuple(split(plan.my_chunks, piece_bytes(total, cap))))
+        self._pool.prepare([p.size for p in plan.pieces], cap)
         step_dir = self.storage.join(fmt.step_dirname(step))
         handle = SaveHandle(step, step_dir)
+        job = _Job(plan, handle, step_dir, user_meta=dict(user_meta or {}), t0=t0,
+                   deadline=_deadline)
+        self._ensure_worker()
+        self._last = handle
+        self._queue.put(job)  # the writer starts on each piece as soon as it is staged
         t1 = time.perf_counter()
-        self._buffer.stage(plan, data)
+        try:
+            for piece in plan.pieces:
+                buf = self._pool.acquire(piece.index)  # capped pool: waits for the writer
+                stage_piece(piece, buf, data)
+                job.pieces.put((piece, buf))
+        except BaseException as e:
+            job.pieces.put((None, e))  # the writer fails this save on every rank
+            raise
         handle.timings["plan_s"] = t1 - t0
         handle.timings["stage_s"] = time.perf_counter() - t1
         handle._staged.set()
         _faults.point("after_stage", self.rank)
-        self._ensure_worker()
-        self._last = handle
-        self._queue.put(_Job(plan, handle, step_dir, dict(user_meta or {}), t0))
         if block:
             handle.wait()
         return handle
@@ -374,7 +372,6 @@ class Checkpointer:
     def _write_and_commit(self, job: _Job) -> None:
         plan, st, d = job.plan, self.storage, job.step_dir
         marker = f"{d}/{fmt.INFLIGHT_PREFIX}{plan.save_id}"
-        name = fmt.shard_name(self.rank, plan.save_id)
         result: dict[str, Any]
         local_exc: BaseException | None = None
         t0 = time.perf_counter()
@@ -384,36 +381,43 @@ class Checkpointer:
                 st.publish(marker, json.dumps({
                     "save_id": plan.save_id, "created_unix": time.time(),
                     "host": socket.gethostname(), "pid": os.getpid()}).encode())
-            chunks = []
-            if plan.file_size:
-                ranges = [(o, s.nbytes) for s, o in zip(plan.my_chunks, plan.file_offsets)]
-                if _faults.armed("mid_shard_write", self.rank):
-                    with open(f"{d}/{name}", "wb") as f:
-                        f.write(self._buffer.view[:plan.file_size // 2])  # type: ignore[index]
-                        f.flush()
-                        os.fsync(f.fileno())
-                    _faults.point("mid_shard_write", self.rank)
-                fh, hashes = st.write_shard(f"{d}/{name}", self._buffer.view, plan.file_size,
-                                            ranges)
-                for s, o, h in zip(plan.my_chunks, plan.file_offsets, hashes):
-                    chunks.append({"fqn": s.fqn, "offsets": list(s.offsets),
-                                   "sizes": list(s.sizes), "offset": o, "length": s.nbytes,
-                                   "checksum": fmt.hexdigest(h)})
-                result = {"ok": True, "file": name, "size": plan.file_size,
-                          "checksum": fmt.hexdigest(fh), "chunks": chunks}
-            else:
-                result = {"ok": True, "file": None, "size": 0, "chunks": []}
+            files = []
+            remaining = len(plan.pieces)
+            try:
+                while remaining:
+                    piece, buf = job.pieces.get()
+                    remaining -= 1
+                    if piece is None:
+                        remaining = 0  # the training thread stopped staging
+                        raise FastCkptError(f"staging failed: {buf}") from buf
+                    try:
+                        files.append(self._write_piece(d, plan, piece, buf))
+                    finally:
+                        self._pool.release(buf)
+            finally:
+                # after a failure, take the pieces still coming so a capped pool never leaves
+                # the training thread waiting for a buffer
+                while remaining:
+                    piece, buf = job.pieces.get()
+                    remaining = 0 if piece is None else remaining - 1
+                    if piece is not None:
+                        self._pool.release(buf)
+            result = {"ok": True, "files": files}
             _faults.point("after_shard_write", self.rank)
         except Exception as e:
             local_exc = e
             result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        _faults.throttle(plan.file_size, t0)
         t1 = time.perf_counter()
         deadline = time.monotonic() + self.options.commit_timeout_s
+        if job.deadline is not None:
+            deadline = min(deadline, job.deadline)
         try:
             commit(self._exchange, save_id=plan.save_id, rank=self.rank,
                    world_size=plan.world_size, result=result, deadline=deadline,
                    coordinator=lambda results: self._coordinate(job, results))
-        except SaveFailedError as e:
+        except FastCkptError as e:
+            self._discard(job, marker)
             if local_exc is not None and e.__cause__ is None:
                 raise e from local_exc
             raise
@@ -421,6 +425,39 @@ class Checkpointer:
         job.handle.timings["write_s"] = t1 - t0
         job.handle.timings["commit_s"] = time.perf_counter() - t1
         job.handle.timings["total_s"] = time.perf_counter() - job.t0
+        if self._preempt is not None:
+            self._preempt.record_save(plan.file_size, t1 - t0, job.handle.timings.get("stage_s", 0))
+
+    def _discard(self, job: _Job, marker: str) -> None:
+        """(background, after a failed save) Remove this rank's files of the save, so a full
+        disk is not kept full by the attempt; best effort, the next commit removes the rest."""
+        try:
+            for piece in job.plan.pieces:
+                self.storage.remove(
+                    f"{job.step_dir}/{fmt.shard_name(self.rank, job.plan.save_id, piece.index)}")
+            if self.rank == 0:
+                self.storage.remove(marker)
+        except Exception as e:  # noqa: BLE001
+            log.warning("fastckpt: rank %d: could not remove the failed save's files: %s",
+                        self.rank, e)
+
+    def _write_piece(self, d: str, plan: SavePlan, piece: Any, buf: memoryview) -> dict:
+        """(background) Write one shard file from its staged buffer; its manifest entries."""
+        name = fmt.shard_name(self.rank, plan.save_id, piece.index)
+        path = f"{d}/{name}"
+        if piece.index == 0 and _faults.armed("mid_shard_write", self.rank):
+            with open(path, "wb") as f:
+                f.write(buf[:piece.size // 2])
+                f.flush()
+                os.fsync(f.fileno())
+            _faults.point("mid_shard_write", self.rank)
+        ranges = [(s.offset, s.spec.nbytes) for s in piece.slots]
+        fh, hashes = self.storage.write_shard(path, buf, piece.size, ranges)
+        chunks = [{"fqn": s.spec.fqn, "offsets": list(s.spec.offsets),
+                   "sizes": list(s.spec.sizes), "offset": s.offset, "length": s.spec.nbytes,
+                   "checksum": fmt.hexdigest(h)} for s, h in zip(piece.slots, hashes)]
+        return {"file": name, "size": piece.size, "checksum": fmt.hexdigest(fh),
+                "chunks": chunks}
 
     def _coordinate(self, job: _Job, results: list[dict]) -> dict:
         """(coordinator) Write the manifest for a save every rank completed; the commit point."""
@@ -428,13 +465,13 @@ class Checkpointer:
         files: dict[str, dict] = {}
         tensors = {fqn: {**m, "chunks": []} for fqn, m in plan.tensors.items()}
         for r, res in enumerate(results):
-            if res["file"] is None:
-                continue
-            files[res["file"]] = {"rank": r, "size": res["size"], "checksum": res["checksum"]}
-            for c in res["chunks"]:
-                tensors[c["fqn"]]["chunks"].append({
-                    "offsets": c["offsets"], "sizes": c["sizes"], "rank": r, "file": res["file"],
-                    "offset": c["offset"], "length": c["length"], "checksum": c["checksum"]})
+            for f in res["files"]:
+                files[f["file"]] = {"rank": r, "size": f["size"], "checksum": f["checksum"]}
+                for c in f["chunks"]:
+                    tensors[c["fqn"]]["chunks"].append({
+                        "offsets": c["offsets"], "sizes": c["sizes"], "rank": r,
+                        "file": f["file"], "offset": c["offset"], "length": c["length"],
+                        "checksum": c["checksum"]})
         body = fmt.new_manifest_body(step=plan.step, world_size=plan.world_size,
                                      save_id=plan.save_id, files=files, tensors=tensors,
                                      trees=plan.trees, user_meta=job.user_meta)
@@ -498,6 +535,8 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
+        if self._preempt is not None:
+            self._preempt.close()
         try:
             atexit.unregister(self._atexit)
         except Exception:
@@ -506,7 +545,7 @@ class Checkpointer:
             self._queue.put(_SENTINEL)
             self._thread.join()
             self._thread = None
-        self._buffer = StagingBuffer()
+        self._pool = StagingPool()
         last = self._last
         if last is not None and last._exc is not None and not last._reported:
             last._reported = True
@@ -578,8 +617,26 @@ def load_into(storage: Storage, state: dict, *, step: int | None = None, verify:
 
 # ------------------------------------------------------------------------------------- one-shots
 
-def save(state: dict, path: str | os.PathLike, *, step: int, **options: Any) -> SaveHandle:
-    """Save ``state`` as step ``step`` under ``path`` and block until it is committed."""
+ONE_SHOT_STAGING_CAP = 256 << 20
+
+_ON_PREEMPT: dict = {}  # path -> the default Checkpointer of save(..., on_preempt=True)
+
+
+def save(state: dict, path: str | os.PathLike, *, step: int, on_preempt: bool = False,
+         **options: Any) -> SaveHandle | None:
+    """Save ``state`` as step ``step`` under ``path`` and block until it is committed.
+
+    ``on_preempt=True``: call it every step; it saves (and exits) only when a stop was agreed,
+    through one default Checkpointer per path kept for the process's lifetime.
+    """
+    if on_preempt:
+        ck = _ON_PREEMPT.get(str(path))
+        if ck is None or ck._closed:
+            ck = _ON_PREEMPT[str(path)] = Checkpointer(path, preempt=True, **options)
+        return ck.save(state, step=step, on_preempt=True)
+    # nothing is reused after a one-off save: stream through two buffers rather than stage the
+    # whole state into fresh memory first (first-touch page faults cost as much as the write)
+    options.setdefault("staging_cap_bytes", ONE_SHOT_STAGING_CAP)
     with Checkpointer(path, **options) as ck:
         handle = ck.save(state, step=step)
         handle.wait()

@@ -226,7 +226,7 @@ def info(as_json: bool) -> int:
     name, why = _backend_line()
     opt = {}
     for mod, use in (("s3fs", "s3:// roots"), ("gcsfs", "gs:// roots"),
-                     ("zstandard", "compression"), ("matplotlib", "bench PNG chart")):
+                     ("matplotlib", "bench PNG chart")):
         opt[mod] = {"installed": importlib.util.find_spec(mod) is not None, "for": use}
     import fsspec
     import torch

@@ -56,8 +56,8 @@ def parse_step_dirname(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def shard_name(rank: int, save_id: str) -> str:
-    return f"r{rank:05d}-{save_id}{SHARD_SUFFIX}"
+def shard_name(rank: int, save_id: str, piece: int = 0) -> str:
+    return f"r{rank:05d}-{save_id}-{piece:03d}{SHARD_SUFFIX}"
 
 
 def align_up(n: int, a: int = ALIGN) -> int:

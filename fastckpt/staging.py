@@ -1,0 +1,165 @@
+"""Staging: splitting a rank's chunks into shard files ("pieces") and copying them into a pool
+of reusable, page-aligned host buffers.
+
+Each piece is one shard file and is staged into one buffer laid out exactly as the file, so it
+is written with direct I/O in one call. The pool:
+
+* **uncapped** (default for a ``Checkpointer``): one buffer per piece, allocated on the first
+  save and reused by every later one (no allocation, no page faults, no growth). ``save``
+  returns as soon as every piece is copied: the stall is one memcpy of the rank's state.
+* **capped** (``staging_cap_bytes``, and every one-off ``fastckpt.save``): at most
+  ``max(2, cap // piece)`` buffers; pieces beyond them are staged as soon as the background
+  writer has written (and released) an earlier one. Host memory stays under the cap and the
+  copy of one piece overlaps the write of the previous one; the training stall grows with the
+  overflow (about overflow / write bandwidth).
+
+Thread-safety: ``StagingPool`` is used by one training thread (acquire) and one writer thread
+(release).
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+
+import torch
+
+from . import format as fmt
+from ._native import aligned_buffer
+
+MIN_PIECE = 1 << 20
+PIECE_MIN_DEFAULT = 64 << 20
+PIECE_MAX_DEFAULT = 256 << 20
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One chunk (or a row range of one, for chunks larger than a piece) in a piece."""
+    spec: object  # ChunkSpec of the stored box (sub-box for a split chunk)
+    key: tuple  # (fqn, offsets) of the rank's local tensor holding the data
+    row0: int  # first row of the local tensor (dim 0) this slot holds
+    offset: int  # byte offset in the piece's file
+
+
+@dataclass(frozen=True)
+class Piece:
+    index: int
+    slots: tuple
+    size: int  # file size in bytes
+
+
+def piece_bytes(total: int, cap: int | None) -> int:
+    """The target size of one shard file for a rank holding ``total`` bytes."""
+    p = min(PIECE_MAX_DEFAULT, max(PIECE_MIN_DEFAULT, total // 8))
+    if cap is not None:
+        p = min(p, max(MIN_PIECE, cap // 2))
+    return fmt.align_up(p)
+
+
+def split(chunks, limit: int) -> list[Piece]:
+    """Pack chunks (in order) into pieces of at most ``limit`` bytes; a larger chunk is split
+    along dim 0 into row ranges (each a box of the global tensor, so the manifest and DCP's
+    planner see them as ordinary chunks). A single row larger than ``limit`` gets a piece of
+    its own."""
+    from dataclasses import replace
+    slots_by_piece: list[list[tuple]] = [[]]
+    used = 0
+
+    def add(spec, key, row0):
+        nonlocal used
+        align = fmt.ALIGN if spec.nbytes >= fmt.SMALL_CHUNK else fmt.SMALL_ALIGN
+        pos = fmt.align_up(used, align)
+        if slots_by_piece[-1] and pos + spec.nbytes > limit:
+            slots_by_piece.append([])
+            pos = 0
+        slots_by_piece[-1].append((spec, key, row0, pos))
+        used = pos + spec.nbytes
+
+    for spec in chunks:
+        key = (spec.fqn, spec.offsets)
+        if spec.nbytes <= limit or not spec.sizes or spec.sizes[0] <= 1:
+            add(spec, key, 0)
+            continue
+        rows = spec.sizes[0]
+        row_bytes = spec.nbytes // rows
+        per = max(1, limit // row_bytes)
+        for r0 in range(0, rows, per):
+            n = min(per, rows - r0)
+            sub = replace(spec, offsets=(spec.offsets[0] + r0,) + tuple(spec.offsets[1:]),
+                          sizes=(n,) + tuple(spec.sizes[1:]), nbytes=n * row_bytes)
+            add(sub, key, r0)
+    pieces = []
+    for i, slots in enumerate(s for s in slots_by_piece if s):
+        size = max(off + spec.nbytes for spec, _, _, off in slots)
+        pieces.append(Piece(i, tuple(Slot(*s) for s in slots), size))
+    return pieces
+
+
+class StagingPool:
+    """Reusable page-aligned host buffers (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._dedicated: list[memoryview] = []
+        self._shared: list[memoryview] = []
+        self._free: queue.Queue = queue.Queue()
+        self.capped = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self._dedicated) + sum(len(b) for b in self._shared)
+
+    def prepare(self, sizes: list[int], cap: int | None) -> None:
+        """Size the pool for the next save's pieces (no save may be in flight)."""
+        need = sum(fmt.align_up(max(s, 1)) for s in sizes)
+        if cap is None or need <= cap:
+            self.capped = False
+            self._shared = []
+            bufs = self._dedicated
+            for i, s in enumerate(sizes):
+                want = fmt.align_up(max(s, 1))
+                if i >= len(bufs):
+                    bufs.append(aligned_buffer(want))
+                elif len(bufs[i]) < want:
+                    bufs[i] = None  # type: ignore[call-overload]  # free before allocating
+                    bufs[i] = aligned_buffer(want)
+            del bufs[len(sizes):]
+            return
+        self.capped = True
+        self._dedicated = []
+        size = fmt.align_up(max(sizes))
+        n = max(2, min(len(sizes), cap // size))
+        if len(self._shared) != n or any(len(b) < size for b in self._shared):
+            self._shared = []
+            self._shared = [aligned_buffer(size) for _ in range(n)]
+        self._free = queue.Queue()
+        for b in self._shared:
+            self._free.put(b)
+
+    def acquire(self, index: int) -> memoryview:
+        """The buffer for piece ``index``; in capped mode, waits for one to be released."""
+        if not self.capped:
+            return self._dedicated[index]
+        return self._free.get()
+
+    def release(self, buf: memoryview) -> None:
+        if self.capped:
+            self._free.put(buf)
+
+
+def stage_piece(piece: Piece, buf: memoryview, data: dict) -> None:
+    """Copy a piece's slots into ``buf`` at their file offsets; zero the alignment gaps so the
+    file's bytes are deterministic."""
+    dst = torch.frombuffer(buf, dtype=torch.uint8, count=fmt.align_up(piece.size))
+    pos = 0
+    for slot in piece.slots:
+        n = slot.spec.nbytes
+        if slot.offset > pos:
+            dst[pos:slot.offset].zero_()
+        if n:
+            src = data[slot.key]
+            if slot.row0 or src.shape[:1] != slot.spec.sizes[:1]:
+                src = src.narrow(0, slot.row0, slot.spec.sizes[0])
+            if not src.is_contiguous():
+                src = src.contiguous()
+            dst[slot.offset:slot.offset + n].copy_(src.reshape(-1).view(torch.uint8))
+        pos = slot.offset + n

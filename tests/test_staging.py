@@ -1,0 +1,92 @@
+"""Staging pieces and the reusable buffer pool (capped and uncapped)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.staging import StagingPool, split
+from tests.crash_worker import blank, state_for
+
+
+def _manifest(root, step):
+    return json.load(open(os.path.join(root, f"step-{step:010d}", "manifest.json")))["body"]
+
+
+def test_split_packs_and_splits_rows():
+    from fastckpt.checkpointer import ChunkSpec
+    big = ChunkSpec("w", "float32", (100, 1000), (0, 0), (100, 1000), 400_000, False)
+    small = ChunkSpec("b", "float32", (10,), (0,), (10,), 40, False)
+    row = ChunkSpec("r", "float32", (1, 300_000), (0, 0), (1, 300_000), 1_200_000, False)
+    pieces = split([small, big, row], 150_000)
+    boxes = [(s.spec.fqn, s.spec.offsets, s.spec.sizes) for p in pieces for s in p.slots]
+    assert boxes[0] == ("b", (0,), (10,))
+    w_rows = [(o[0], sz[0]) for f, o, sz in boxes if f == "w"]
+    assert w_rows == [(0, 37), (37, 37), (74, 26)]  # 37 rows of 4000 bytes fit in 150000
+    assert ("r", (0, 0), (1, 300_000)) in boxes  # one row larger than a piece: its own piece
+    for p in pieces:
+        assert p.size <= 150_000 or len(p.slots) == 1
+
+
+@pytest.mark.parametrize("cap", [None, 3 << 20, 0])
+def test_round_trip_with_pieces(root, cap):
+    st = state_for(4, 12)  # 12 MiB in one tensor
+    with fastckpt.Checkpointer(root, staging_cap_bytes=cap) as ck:
+        ck.save(st, step=4).wait()
+        pool = ck._pool.nbytes
+    body = _manifest(root, 4)
+    if cap is None:
+        assert len(body["files"]) == 1
+    else:  # pieces of at most cap/2 (1 MiB minimum): the big tensor is split along dim 0
+        assert len(body["files"]) >= 6
+        assert len(body["tensors"]["w"]["chunks"]) >= 6
+        assert pool <= max(cap, 2 << 20) + (64 << 10)
+    out = blank(12)
+    assert fastckpt.load(out, root) == 4
+    assert torch.equal(out["w"], st["w"]) and torch.equal(out["h"], st["h"])
+
+
+def test_pool_is_reused_across_saves(root):
+    with fastckpt.Checkpointer(root) as ck:
+        ck.save(state_for(1, 4), step=1).wait()
+        bufs = [id(b) for b in ck._pool._dedicated]
+        for s in range(2, 6):
+            ck.save(state_for(s, 4), step=s).wait()
+        assert [id(b) for b in ck._pool._dedicated] == bufs
+    out = blank(4)
+    assert fastckpt.load(out, root) == 5 and torch.equal(out["w"], state_for(5, 4)["w"])
+
+
+def test_capped_pool_failure_does_not_hang(tmp_path):
+    import subprocess
+    d = tmp_path / "tiny"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(d)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        root = str(d / "ckpt")
+        with fastckpt.Checkpointer(root, staging_cap_bytes=2 << 20) as ck:
+            with pytest.raises(fastckpt.SaveFailedError, match="device is full"):
+                ck.save(state_for(1, 12), step=1).wait()  # 12 MiB through 1 MiB pieces
+            ck.save(state_for(2, 1), step=2).wait()  # the pool still works afterwards
+        out = blank(1)
+        assert fastckpt.load(out, root) == 2
+    finally:
+        subprocess.run(["umount", "-l", str(d)])
+
+
+def test_pool_capped_mode_bounds_buffers():
+    pool = StagingPool()
+    pool.prepare([1 << 20] * 10, cap=3 << 20)
+    assert pool.capped and pool.nbytes == 3 << 20
+    a, _b, _c = pool.acquire(0), pool.acquire(1), pool.acquire(2)
+    assert pool._free.empty()  # a fourth piece would wait for the writer to release one
+    pool.release(a)
+    assert pool.acquire(3) is a
+    pool.prepare([1 << 20] * 3, cap=None)
+    assert not pool.capped and pool.nbytes == 3 << 20
