@@ -31,6 +31,12 @@ def world_size() -> int:
     return dist.get_world_size() if initialized() else 1
 
 
+def destroy() -> None:
+    """Shut down the default process group (the emergency exit path)."""
+    if initialized():
+        dist.destroy_process_group()
+
+
 def all_gather_object(obj: Any) -> list[Any]:
     """Gather one picklable object from every rank (in-memory only; nothing touches storage)."""
     if not initialized():

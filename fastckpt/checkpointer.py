@@ -43,7 +43,7 @@ from . import format as fmt
 from ._native import get_backend
 from ._tree import flatten, is_dtensor, plan_load
 from .commit import commit
-from .errors import FastCkptError, SaveFailedError, UnsupportedStateError
+from .errors import FastCkptError, UnsupportedStateError
 from .options import CheckpointOptions, options_from_env
 from .reader import FastCkptReader, find_step
 from .retention import apply_retention

@@ -644,11 +644,8 @@ class Preemption:
 
 
 def _destroy_process_group() -> None:
-    # belongs in _dist.py (the one user of torch.distributed), which this change may not edit
     try:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        _dist.destroy()
     except Exception as e:
         log.warning("fastckpt: destroy_process_group failed: %s", e)
 

@@ -149,6 +149,8 @@ class StagingPool:
 def stage_piece(piece: Piece, buf: memoryview, data: dict) -> None:
     """Copy a piece's slots into ``buf`` at their file offsets; zero the alignment gaps so the
     file's bytes are deterministic."""
+    if piece.size == 0:  # only empty tensors: an empty file
+        return
     dst = torch.frombuffer(buf, dtype=torch.uint8, count=fmt.align_up(piece.size))
     pos = 0
     for slot in piece.slots:

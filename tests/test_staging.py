@@ -90,3 +90,10 @@ def test_pool_capped_mode_bounds_buffers():
     assert pool.acquire(3) is a
     pool.prepare([1 << 20] * 3, cap=None)
     assert not pool.capped and pool.nbytes == 3 << 20
+
+
+def test_state_with_only_empty_tensors(root):
+    st = {"e": torch.empty(0, 5), "z": torch.zeros(0, dtype=torch.int64), "n": 1}
+    fastckpt.save(st, root, step=1)
+    out = {"e": torch.ones(0, 5), "z": torch.ones(0, dtype=torch.int64), "n": 0}
+    assert fastckpt.load(out, root) == 1 and out["n"] == 1 and out["e"].shape == (0, 5)

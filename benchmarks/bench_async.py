@@ -1,0 +1,219 @@
+"""Async save: training stall per save, host memory across saves, and training slowdown.
+
+    python benchmarks/bench_async.py                 # 1.5 GiB state, 10 saves, as the issue asks
+    python benchmarks/bench_async.py --size 256MiB --saves 5 --train-steps 60   # quick
+
+Each contender runs in a fresh subprocess (``--child``), one after the other, repeated
+``--reps`` times in rotated order; medians are reported:
+
+* ``fastckpt``: ``Checkpointer.save`` of model + Adam state, ``--saves`` times; the stall is
+  the time ``save`` takes to return (staged). The child also times one plain ``copy_`` of the
+  same bytes into already-touched buffers (the memcpy floor), and records the process's RSS
+  after every save and its peak above the state's own.
+* ``dcp_async``: ``torch.distributed.checkpoint.async_save`` of the same state (DCP's own
+  staging), the time the call takes to return; ``.result()`` before the next save.
+* ``train`` / ``train_ckpt``: a small CPU training loop without checkpoints, and the same loop
+  with an async ``Checkpointer.save`` every ``--every`` steps; steps per second.
+
+Results: a table and JSON (``--json``), with machine, commit and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+
+def _rss_mib() -> tuple[float, float]:
+    vals = {}
+    for line in open("/proc/self/status"):
+        if line.startswith(("VmRSS:", "VmHWM:")):
+            k, v = line.split(":")
+            vals[k] = int(v.split()[0]) / 1024
+    return vals["VmRSS"], vals["VmHWM"]
+
+
+def _state(size: int, seed: int = 0):
+    import torch
+    torch.manual_seed(seed)
+    layers = 8
+    w = int(((size / 12) / layers) ** 0.5)  # params + 2 Adam moments, fp32
+    m = torch.nn.Sequential(*[torch.nn.Linear(w, w) for _ in range(layers)])
+    opt = torch.optim.Adam(m.parameters(), lr=1e-4)
+    m(torch.randn(2, w)).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    nbytes = sum(p.numel() * 4 * 3 for p in m.parameters())
+    return m, opt, nbytes, w
+
+
+def child_fastckpt(a) -> dict:
+    import torch
+
+    import fastckpt
+    m, opt, nbytes, _ = _state(a.size)
+    base_rss, _ = _rss_mib()
+    C._reset_peak_rss()
+    stalls, rss = [], []
+    with fastckpt.Checkpointer(a.dir, keep_last=2) as ck:
+        state = {"model": m, "optim": opt}
+        for i in range(a.saves):
+            t = time.perf_counter()
+            h = ck.save(state, step=i)
+            stalls.append(time.perf_counter() - t)
+            h.wait()
+            rss.append(_rss_mib()[0] - base_rss)
+            time.sleep(0.2)
+        pool = ck._pool.nbytes
+    peak = _rss_mib()[1] - base_rss
+    # the memcpy floor: the same bytes into buffers that were already touched
+    src = [p.detach() for p in m.parameters()] + [v for s in opt.state.values()
+                                                  for v in s.values() if v.dim() > 0]
+    dst = [torch.empty_like(t) for t in src]
+    for d, s in zip(dst, src):
+        d.copy_(s)
+    copies = []
+    for _ in range(3):
+        t = time.perf_counter()
+        for d, s in zip(dst, src):
+            d.copy_(s)
+        copies.append(time.perf_counter() - t)
+    return {"bytes": nbytes, "stalls": stalls, "rss_after_save_mib": rss, "peak_rss_mib": peak,
+            "pool_bytes": pool, "memcpy_s": min(copies)}
+
+
+def child_dcp_async(a) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    m, opt, nbytes, _ = _state(a.size)
+    stalls = []
+    for i in range(min(a.saves, 5)):
+        msd, osd = get_state_dict(m, opt)
+        path = os.path.join(a.dir, f"dcp-{i}")
+        t = time.perf_counter()
+        fut = dcp.async_save({"model": msd, "optim": osd}, storage_writer=FileSystemWriter(path))
+        stalls.append(time.perf_counter() - t)
+        fut.result()
+        shutil.rmtree(path, ignore_errors=True)
+        time.sleep(0.2)
+    return {"bytes": nbytes, "stalls": stalls}
+
+
+def child_train(a, with_ckpt: bool) -> dict:
+    import torch
+
+    import fastckpt
+    torch.manual_seed(0)
+    m, opt, nbytes, w = _state(a.train_size)
+    x = torch.randn(a.batch, w)
+    ck = fastckpt.Checkpointer(a.dir, keep_last=2) if with_ckpt else None
+    state = {"model": m, "optim": opt, "step": 0}
+    for i in range(5):  # warm-up (and the first save, which allocates the pool)
+        m(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if ck:
+        ck.save(state, step=0).wait()
+    t = time.perf_counter()
+    for i in range(1, a.train_steps + 1):
+        m(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        state["step"] = i
+        if ck and i % a.every == 0:
+            ck.save(state, step=i)
+    if ck:
+        ck.close()
+    dt = time.perf_counter() - t
+    return {"bytes": nbytes, "steps": a.train_steps, "seconds": dt,
+            "steps_per_s": a.train_steps / dt}
+
+
+def run_child(a, mode: str) -> dict:
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode,
+                          "--size", str(a.size), "--train-size", str(a.train_size),
+                          "--saves", str(a.saves), "--train-steps", str(a.train_steps),
+                          "--every", str(a.every), "--batch", str(a.batch), "--dir", a.dir],
+                         capture_output=True, text=True, env=C.child_env(), timeout=1800)
+    shutil.rmtree(a.dir, ignore_errors=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{mode} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", type=C.parse_size, default=C.parse_size("1.5GiB"))
+    ap.add_argument("--train-size", type=C.parse_size, default=C.parse_size("256MiB"))
+    ap.add_argument("--saves", type=int, default=10)
+    ap.add_argument("--train-steps", type=int, default=200)
+    ap.add_argument("--every", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dir", default="/tmp/fastckpt-bench-async")
+    ap.add_argument("--json", default=os.path.join(C.REPO_ROOT, "bench-out", "async.json"))
+    ap.add_argument("--child")
+    a = ap.parse_args()
+    if a.child:
+        fn = {"fastckpt": child_fastckpt, "dcp_async": child_dcp_async,
+              "train": lambda a: child_train(a, False),
+              "train_ckpt": lambda a: child_train(a, True)}[a.child]
+        print(json.dumps(fn(a)))
+        return
+    modes = ["fastckpt", "dcp_async", "train", "train_ckpt"]
+    raw: dict[str, list] = {m: [] for m in modes}
+    for rep in range(a.reps):
+        order = modes[rep % len(modes):] + modes[:rep % len(modes)]
+        for mode in order:
+            r = run_child(a, mode)
+            raw[mode].append(r)
+            print(f"rep {rep + 1} {mode}: " + json.dumps(
+                {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
+                 if k not in ("stalls", "rss_after_save_mib")}), flush=True)
+    med = statistics.median
+    f = raw["fastckpt"]
+    stall_later = med([med(r["stalls"][1:]) for r in f])
+    stall_first = med([r["stalls"][0] for r in f])
+    memcpy = med([r["memcpy_s"] for r in f])
+    dcp_stall = med([med(r["stalls"][1:]) for r in raw["dcp_async"]])
+    rss = [r["rss_after_save_mib"] for r in f]
+    peak = med([r["peak_rss_mib"] for r in f])
+    state_mib = f[0]["bytes"] / C.MiB
+    slow = med([t["steps_per_s"] for t in raw["train_ckpt"]]) / med(
+        [t["steps_per_s"] for t in raw["train"]])
+    summary = {
+        "state_mib": state_mib,
+        "stall_first_s": stall_first, "stall_later_s": stall_later, "memcpy_s": memcpy,
+        "stall_over_memcpy": stall_later / memcpy, "dcp_async_stall_s": dcp_stall,
+        "stall_over_dcp_async": stall_later / dcp_stall,
+        "peak_rss_above_state_mib": peak, "rss_budget_mib": 1.1 * state_mib + 200,
+        "rss_after_each_save_mib": rss,
+        "train_slowdown_ratio": slow,
+        "train_state_mib": raw["train"][0]["bytes"] / C.MiB,
+    }
+    print("\nasync save, medians over", a.reps, "runs")
+    print(f"  state {state_mib:.0f} MiB; stall 1st save {stall_first:.3f} s, later saves "
+          f"{stall_later:.3f} s; memcpy {memcpy:.3f} s -> {stall_later / memcpy:.2f} x memcpy")
+    print(f"  DCP async_save stall {dcp_stall:.3f} s -> fastckpt/DCP {stall_later / dcp_stall:.2f}")
+    print(f"  peak RSS above the state's own {peak:.0f} MiB (budget 1.1 x state + 200 = "
+          f"{1.1 * state_mib + 200:.0f}); RSS after saves (run 1): "
+          + ", ".join(f"{v:.0f}" for v in rss[0]))
+    print(f"  training with async saves every {a.every} steps: {slow:.3f} x the speed without")
+    doc = {"benchmark": "bench_async", "machine": C.machine_info(a.dir), "git": C.git_commit(),
+           "date": C.utc_now(), "versions": C.base_versions(), "params": vars(a),
+           "raw": raw, "summary": summary}
+    print("JSON:", C.write_json(a.json, doc))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,445 @@
+"""Preemption: real processes, real signals, gloo on CPU, 2 and 4 ranks.
+
+Each multi-rank test runs ``tests.preempt_worker`` (a data-parallel Adam loop calling
+``save(..., on_preempt=True)`` every step), signals chosen ranks, checks exit codes and the
+per-rank event logs, and resumes: losses and optimizer moments must equal an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt import preempt
+from tests.preempt_worker import launch
+
+TOTAL = 12
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+def _wait(procs, timeout=90.0):
+    end = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.1, end - time.monotonic()))
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+        p.join()
+    assert not alive, f"ranks still running after {timeout}s"
+    return [p.exitcode for p in procs]
+
+
+def _losses(out, tag, rank=0):
+    path = os.path.join(out, f"losses-{tag}-r{rank}.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _wait_step(out, tag, rank, step, procs, timeout=60.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        ls = _losses(out, tag, rank)
+        if ls and ls[-1]["step"] >= step:
+            return ls[-1]["step"]
+        assert all(p.exitcode is None for p in procs), [p.exitcode for p in procs]
+        time.sleep(0.01)
+    raise AssertionError(f"rank {rank} did not reach step {step}")
+
+
+def _events(root, rank):
+    with open(os.path.join(root, "events", f"rank{rank:05d}.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _one(evs, name):
+    found = [e for e in evs if e["event"] == name]
+    assert found, (name, [e["event"] for e in evs])
+    return found[-1]
+
+
+def _cfg(tmp, tag, **kw):
+    cfg = {"root": str(tmp / "ckpt"), "out": str(tmp / "out"), "tag": tag, "total": TOTAL,
+           "step_s": 0.03, "grace_s": 20.0}
+    cfg.update(kw)
+    return cfg
+
+
+_BASE: dict = {}
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """Uninterrupted runs, one per world size: losses and final model/optimizer state."""
+    def get(world):
+        if world not in _BASE:
+            tmp = tmp_path_factory.mktemp(f"base{world}")
+            cfg = _cfg(tmp, "base")
+            assert _wait(launch(world, cfg)) == [0] * world
+            _BASE[world] = (_losses(cfg["out"], "base"),
+                            torch.load(os.path.join(cfg["out"], "final-base-r0.pt")))
+        return _BASE[world]
+    return get
+
+
+def _check_resume_exact(tmp, world, cfg, stop_step, baseline):
+    """Resume from the emergency checkpoint: everything equals the uninterrupted run."""
+    rcfg = dict(cfg, tag="resumed")
+    for k in ("long_step", "fault_after_periodic", "throttle_mibps"):
+        rcfg.pop(k, None)
+    if "slow_resume_s" in rcfg:
+        rcfg["slow_resume_s"] = 0.01
+    assert _wait(launch(world, rcfg)) == [0] * world
+    with open(os.path.join(cfg["out"], "resumed-resumed-r0")) as f:
+        assert json.load(f) == stop_step
+    base_losses, base_final = baseline(world)
+    got = [x for x in _losses(cfg["out"], cfg["tag"]) if x["step"] <= stop_step]
+    got += _losses(cfg["out"], "resumed")
+    assert [x["step"] for x in got] == list(range(TOTAL))
+    assert [x["loss"] for x in got] == [x["loss"] for x in base_losses]
+    final = torch.load(os.path.join(cfg["out"], "final-resumed-r0.pt"))
+    for k, v in base_final["model"].items():
+        assert torch.equal(final["model"][k], v), k
+    for pid, st in base_final["optim"]["state"].items():
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(final["optim"]["state"][pid][k], st[k]), (pid, k)
+
+
+def _check_agreed(root, world, first_signal_t, step_s):
+    """Every rank agreed on one stop step, quickly, and exited 143 after committing it."""
+    stops = set()
+    for r in range(world):
+        evs = _events(root, r)
+        c = _one(evs, "consensus")
+        stops.add(c["stop_step"])
+        assert c["t"] - first_signal_t <= step_s + 0.5 + 0.5, c  # +0.5 s: a loaded 2-core box
+        assert _one(evs, "exit")["code"] == preempt.EXIT_PREEMPTED
+        assert _one(evs, "commit")["step"] == c["stop_step"]
+        assert _one(evs, "barrier")["ok"]
+    assert len(stops) == 1, stops
+    return stops.pop()
+
+
+# ---------------------------------------------------------------------------- multi-rank tests
+
+@pytest.mark.parametrize("world,sig,target", [(2, signal.SIGTERM, 1), (4, signal.SIGUSR1, 2)])
+def test_signal_to_one_rank_before_any_checkpoint(tmp_path, baseline, world, sig, target):
+    cfg = _cfg(tmp_path, "run")
+    procs = launch(world, cfg)
+    _wait_step(cfg["out"], "run", target, 4, procs)
+    assert not os.path.exists(os.path.join(cfg["root"], "latest"))  # nothing committed yet
+    t_sig = time.time()
+    os.kill(procs[target].pid, sig)
+    assert _wait(procs, 60) == [preempt.EXIT_PREEMPTED] * world
+    stop = _check_agreed(cfg["root"], world, t_sig, cfg["step_s"])
+    sig_ev = _one(_events(cfg["root"], target), "signal")
+    assert sig_ev["signal"] == sig.name
+    for r in range(world):
+        if r != target:
+            assert not [e for e in _events(cfg["root"], r) if e["event"] == "signal"]
+    assert _one(_events(cfg["root"], 0), "decision")["decision"] == "save"
+    _check_resume_exact(tmp_path, world, cfg, stop, baseline)
+
+
+def test_sigterm_all_ranks_staggered_with_a_long_step(tmp_path, baseline):
+    """Rank 1 is inside a 3 s step when rank 0 is signalled; rank 1 is signalled 1.5 s later,
+    rank 0 a second time 2 s later (its budget is cut). One stop step for all."""
+    cfg = _cfg(tmp_path, "run", long_step={"1": [5, 3.0]})
+    procs = launch(2, cfg)
+    _wait_step(cfg["out"], "run", 1, 5, procs)
+    time.sleep(0.3)  # rank 1 is now sleeping in its long step 5
+    t_sig = time.time()
+    os.kill(procs[0].pid, signal.SIGTERM)
+    time.sleep(1.5)
+    os.kill(procs[1].pid, signal.SIGTERM)
+    time.sleep(0.5)
+    os.kill(procs[0].pid, signal.SIGTERM)
+    assert _wait(procs, 60) == [preempt.EXIT_PREEMPTED] * 2
+    # rank 1 learned within 0.5 s although its training thread was busy
+    c1 = _one(_events(cfg["root"], 1), "consensus")
+    assert c1["t"] - t_sig <= 1.0, c1
+    stop = _check_agreed(cfg["root"], 2, t_sig, 3.0)
+    assert stop == 6
+    assert [e["signal"] for e in _events(cfg["root"], 0) if e["event"] == "signal"] == \
+        ["SIGTERM", "SIGTERM"]
+    assert _one(_events(cfg["root"], 0), "budget_cut")
+    _check_resume_exact(tmp_path, 2, cfg, stop, baseline)
+
+
+def test_signal_while_async_save_in_flight(tmp_path, baseline):
+    # 3 MiB per rank at 3 MiB/s: the periodic save of step 3 is in flight for about a second
+    cfg = _cfg(tmp_path, "run", mib=3, throttle_mibps=3, save_steps=[3], step_s=0.03)
+    procs = launch(2, cfg)
+    _wait_step(cfg["out"], "run", 0, 4, procs)  # the save of step 3 was issued
+    t_sig = time.time()
+    os.kill(procs[0].pid, signal.SIGTERM)
+    assert _wait(procs, 60) == [preempt.EXIT_PREEMPTED] * 2
+    stop = _check_agreed(cfg["root"], 2, t_sig, cfg["step_s"])
+    d = _one(_events(cfg["root"], 0), "decision")
+    assert d["decision"] == "wait_then_save" and d["inflight_step"] == 3, d
+    assert _one(_events(cfg["root"], 1), "inflight_done")["ok"]
+    assert sorted(n for n in os.listdir(cfg["root"]) if n.startswith("step-")) == \
+        ["step-0000000003", f"step-{stop:010d}"]
+    _check_resume_exact(tmp_path, 2, cfg, stop, baseline)
+
+
+def test_signal_during_resume(tmp_path, baseline):
+    cfg = _cfg(tmp_path, "first", total=4, save_steps=[3], slow_resume_s=0.01)
+    assert _wait(launch(2, cfg)) == [0, 0]
+    cfg = _cfg(tmp_path, "run", slow_resume_s=1.5)
+    procs = launch(2, cfg)
+    marker = os.path.join(cfg["out"], "resuming-run-r1")
+    end = time.monotonic() + 60
+    while not os.path.exists(marker):
+        assert time.monotonic() < end and all(p.exitcode is None for p in procs)
+        time.sleep(0.01)
+    t_sig = time.time()
+    os.kill(procs[1].pid, signal.SIGTERM)
+    assert _wait(procs, 60) == [preempt.EXIT_PREEMPTED] * 2
+    c = _one(_events(cfg["root"], 0), "consensus")
+    assert c["reported"] == [None, None] and c["stop_step"] == -1  # the first call stops
+    assert _one(_events(cfg["root"], 0), "commit")["step"] == 4
+    for r in range(2):
+        assert _one(_events(cfg["root"], r), "exit")["code"] == preempt.EXIT_PREEMPTED
+    assert c["t"] - t_sig < 1.0
+    # losses: steps 0-3 from the first run, step 4 from this one, the rest after resuming
+    first = _losses(cfg["out"], "first")
+    os.rename(os.path.join(cfg["out"], "losses-run-r0.jsonl"),
+              os.path.join(cfg["out"], "losses-part-r0.jsonl"))
+    with open(os.path.join(cfg["out"], "losses-run-r0.jsonl"), "w") as f:
+        for x in first + _losses(cfg["out"], "part"):
+            f.write(json.dumps(x) + "\n")
+    _check_resume_exact(tmp_path, 2, cfg, 4, baseline)
+
+
+@pytest.mark.parametrize("world,dead", [(2, 1), (4, 0)])
+def test_peer_killed_during_emergency_save(tmp_path, world, dead):
+    grace = 4.0
+    cfg = _cfg(tmp_path, "run", grace_s=grace, save_steps=[2],
+               fault_after_periodic=f"after_shard_write@{dead}")
+    procs = launch(world, cfg)
+    _wait_step(cfg["out"], "run", 0, 4, procs)
+    target = 1 if dead == 0 else 0
+    t_sig = time.time()
+    os.kill(procs[target].pid, signal.SIGTERM)
+    codes = _wait(procs, 60)
+    t_end = time.time()
+    assert codes[dead] == -signal.SIGKILL
+    alive = [r for r in range(world) if r != dead]
+    assert [codes[r] for r in alive] == [preempt.EXIT_FAILED] * len(alive), codes
+    assert t_end - t_sig <= grace + 5.0
+    for r in alive:
+        ex = _one(_events(cfg["root"], r), "exit")
+        assert ex["code"] == preempt.EXIT_FAILED and dead in (ex["missing"] or []), ex
+        assert ex["t"] - t_sig <= grace + 5.0, ex
+    # the previous committed checkpoint is the newest and loads on the same world size
+    ck = fastckpt.Checkpointer(cfg["root"])
+    assert ck.latest_step() == 2
+    ck.close()
+    rcfg = _cfg(tmp_path, "check", total=3)
+    assert _wait(launch(world, rcfg)) == [0] * world
+    with open(os.path.join(rcfg["out"], "resumed-check-r0")) as f:
+        assert json.load(f) == 2
+
+
+def test_hung_peer(tmp_path):
+    """Rank 1 hangs (SIGSTOP) before rank 0 is signalled: rank 0's training thread is blocked
+    in an all-reduce with it for good; the watchdog ends rank 0 with 144 within the deadline
+    + 5 s, naming rank 1."""
+    grace = 3.0
+    cfg = _cfg(tmp_path, "run", grace_s=grace, save_steps=[2], total=400)
+    procs = launch(2, cfg)
+    _wait_step(cfg["out"], "run", 0, 4, procs)
+    os.kill(procs[1].pid, signal.SIGSTOP)
+    time.sleep(0.5)  # rank 0 is now waiting in the next step's all-reduce
+    t_sig = time.time()
+    os.kill(procs[0].pid, signal.SIGTERM)
+    procs[0].join(grace + 10)
+    t_end = time.time()
+    os.kill(procs[1].pid, signal.SIGKILL)
+    codes = _wait(procs, 30)
+    assert codes == [preempt.EXIT_FAILED, -signal.SIGKILL], codes
+    assert t_end - t_sig <= grace + 5.0
+    ex = _one(_events(cfg["root"], 0), "exit")
+    assert ex["code"] == preempt.EXIT_FAILED and ex["missing"] == [1], ex
+    assert "watchdog" in ex["reason"], ex
+    ck = fastckpt.Checkpointer(cfg["root"])
+    assert ck.latest_step() == 2
+    ck.close()
+
+
+def test_throttled_writer_cannot_fit_the_window(tmp_path):
+    grace = 3.0
+    # 6 MiB per rank at 3 MiB/s: 2 s per save measured on step 2; 2 s + overhead > 3 s - 1 s
+    cfg = _cfg(tmp_path, "run", grace_s=grace, mib=6, throttle_mibps=3, save_steps=[2], total=400,
+               step_s=0.03)
+    procs = launch(2, cfg)
+    _wait_step(cfg["out"], "run", 0, 2, procs)
+    manifest = os.path.join(cfg["root"], "step-0000000002", "manifest.json")
+    end = time.monotonic() + 30
+    while not os.path.exists(manifest):
+        assert time.monotonic() < end
+        time.sleep(0.01)
+    time.sleep(0.3)
+    t_sig = time.time()
+    os.kill(procs[1].pid, signal.SIGTERM)
+    assert _wait(procs, 60) == [preempt.EXIT_PREEMPTED] * 2
+    for r in range(2):
+        evs = _events(cfg["root"], r)
+        d = _one(evs, "decision")
+        assert d["decision"] == "skip" and d["est_save_s"] > d["left_s"], d
+        assert not [e for e in evs if e["event"] == "save_start"]
+        ex = _one(evs, "exit")
+        assert ex["t"] < t_sig + grace, ex  # before the deadline
+    assert sorted(n for n in os.listdir(cfg["root"]) if n.startswith("step-")) == \
+        ["step-0000000002"]
+    ck = fastckpt.Checkpointer(cfg["root"])
+    assert ck.latest_step() == 2
+    ck.close()
+
+
+def test_disk_slower_than_measured_fails_cleanly(tmp_path):
+    """The estimate fits but the disk slows down: the save misses the deadline; the ranks exit
+    144 shortly after it, and nothing is committed for the stop step."""
+    grace = 3.0
+    cfg = _cfg(tmp_path, "run", grace_s=grace, mib=4, save_steps=[2], total=400,
+               throttle_after_periodic=1)
+    procs = launch(2, cfg)
+    for r in range(2):
+        end = time.monotonic() + 30
+        while not os.path.exists(os.path.join(cfg["out"], f"saved-run-r{r}")):
+            assert time.monotonic() < end and all(p.exitcode is None for p in procs)
+            time.sleep(0.01)
+    t_sig = time.time()
+    os.kill(procs[0].pid, signal.SIGTERM)
+    assert _wait(procs, 60) == [preempt.EXIT_FAILED] * 2
+    for r in range(2):
+        evs = _events(cfg["root"], r)
+        assert _one(evs, "decision")["decision"] == "save"
+        assert _one(evs, "save_failed")
+        ex = _one(evs, "exit")
+        assert ex["t"] - t_sig <= grace + 5.0, ex
+    ck = fastckpt.Checkpointer(cfg["root"])
+    assert ck.latest_step() == 2
+    ck.close()
+
+
+# ---------------------------------------------------------------------------- one-process tests
+
+def _plain_state():
+    return {"w": torch.arange(1000.0), "step": 0}
+
+
+def test_fast_path_cost_and_no_collective(root):
+    ck = fastckpt.Checkpointer(root, grace_s=10)
+    st = _plain_state()
+    n = 20000
+    t0 = time.perf_counter()
+    for i in range(n):
+        assert ck.save(st, step=i, on_preempt=True) is None
+    per_call = (time.perf_counter() - t0) / n
+    ck.close()
+    assert per_call < 50e-6, per_call
+
+
+def test_handlers_chained_and_restored(root):
+    seen = []
+    def old(s, f):
+        seen.append(s)
+    signal.signal(signal.SIGUSR1, old)
+    try:
+        ck = fastckpt.Checkpointer(root, grace_s=10, preempt_exit=False)
+        assert signal.getsignal(signal.SIGUSR1) != old
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.3)
+        assert seen == [signal.SIGUSR1]  # the earlier handler still ran
+        st = _plain_state()
+        h = None
+        for step in range(50):
+            h = ck.save(st, step=step, on_preempt=True)
+            if h is not None:
+                break
+            time.sleep(0.01)
+        assert h is not None and h.committed and ck.preemption.exit_code == 143
+        ck.close()
+        assert signal.getsignal(signal.SIGUSR1) is old
+        assert signal.set_wakeup_fd(-1) == -1  # our wakeup fd was removed
+    finally:
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+
+
+def test_forked_worker_does_not_act(root):
+    """A DataLoader-style forked child gets the earlier handler back (SIGTERM kills it) and
+    its signal never reaches the parent's trap."""
+    ck = fastckpt.Checkpointer(root, grace_s=10)
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(2)
+            os._exit(7)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+        time.sleep(0.3)
+        assert not ck.preemption.pending and not ck.preemption._local
+        assert ck.save(_plain_state(), step=1, on_preempt=True) is None
+    finally:
+        ck.close()
+
+
+def test_request_stop_cancel_exits_zero(root):
+    ck = fastckpt.Checkpointer(root, grace_s=10)
+    st = _plain_state()
+    threading.Timer(0.1, ck.preemption.request_stop, kwargs={"cancel": True}).start()
+    with pytest.raises(SystemExit) as e:
+        for step in range(200):
+            ck.save(st, step=step, on_preempt=True)
+            time.sleep(0.01)
+    assert e.value.code == preempt.EXIT_CANCELLED
+    evs = _events(root, 0)
+    assert _one(evs, "exit")["reason"] == "cancelled"
+    assert fastckpt.Checkpointer(root).latest_step() == _one(evs, "commit")["step"]
+
+
+def test_module_level_save_on_preempt(root):
+    st = _plain_state()
+    assert fastckpt.save(st, root, step=0, on_preempt=True) is None
+    fastckpt.checkpointer._ON_PREEMPT[root].preemption.request_stop()
+    with pytest.raises(SystemExit) as e:
+        for step in range(1, 200):
+            fastckpt.save(st, root, step=step, on_preempt=True)
+            time.sleep(0.01)
+    assert e.value.code == preempt.EXIT_PREEMPTED
+
+
+def test_decisions():
+    def rep(left, est, infl=None, infl_left=0.0):
+        return {"left_s": left, "est_s": est, "bytes": 1, "inflight_step": infl,
+                "inflight_left_s": infl_left}
+    d = preempt.Preemption.decide
+    assert d([rep(10, 2), rep(9, 3)], 5, 1)[0] == "save"
+    assert d([rep(10, 2), rep(3, 3)], 5, 1)[0] == "skip"
+    assert d([rep(10, 2, 4, 3)], 5, 1)[0] == "wait_then_save"
+    assert d([rep(5.5, 2, 4, 3)], 5, 1)[0] == "wait"
+    assert d([rep(3, 2, 4, 3)], 5, 1)[0] == "abandon"
+    assert d([rep(10, 2, 5, 3)], 5, 1)[0] == "wait"  # the in-flight save is this very step
+
+
+def test_allreduce_consensus_option(tmp_path):
+    cfg = _cfg(tmp_path, "run", consensus="allreduce")
+    procs = launch(2, cfg)
+    _wait_step(cfg["out"], "run", 1, 3, procs)
+    os.kill(procs[1].pid, signal.SIGUSR1)
+    assert _wait(procs, 60) == [preempt.EXIT_PREEMPTED] * 2
+    steps = {_one(_events(cfg["root"], r), "commit")["step"] for r in range(2)}
+    assert len(steps) == 1
+    assert preempt.job_exit_code(os.path.join(cfg["root"], "events")) == preempt.EXIT_PREEMPTED
