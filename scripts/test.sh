@@ -1,7 +1,21 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run the whole test suite. CI runs exactly this.
+# The suite runs once with the native I/O extension required (when it built), then the
+# storage, staging, fault and crash tests run again on the pure-Python I/O path.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-exec python -m pytest -q -p no:cacheprovider "$@"
+if python -c "import fastckpt._native as n, sys; sys.exit(0 if n.native_available() else 1)"; then
+  native=require
+else
+  native=off
+  echo "[test] the native extension is not built: the whole suite runs on the Python I/O path"
+fi
+echo "[test] full suite, FASTCKPT_NATIVE=$native"
+FASTCKPT_NATIVE=$native python -m pytest -q -p no:cacheprovider "$@"
+if [ "$native" = require ] && [ $# -eq 0 ]; then
+  echo "[test] I/O-path tests again, FASTCKPT_NATIVE=off"
+  FASTCKPT_NATIVE=off python -m pytest -q -p no:cacheprovider tests/test_faults.py \
+    tests/test_staging.py tests/test_crash.py tests/test_storage.py tests/test_distributed.py
+fi
