@@ -28,10 +28,14 @@ def point(name: str, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def throttle(nbytes: int, started: float) -> None:
-    """Sleep until a write of ``nbytes`` begun at ``started`` (perf_counter) took bytes/rate."""
+def throttle(nbytes: int, started: float, cancel=None) -> None:
+    """Sleep until a write of ``nbytes`` begun at ``started`` (perf_counter) took bytes/rate;
+    a set ``cancel`` event (a superseded save) ends the sleep early."""
     rate = os.environ.get("FASTCKPT_TEST_THROTTLE_MIBPS")
     if rate and nbytes:
-        left = started + nbytes / (float(rate) * (1 << 20)) - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
+        end = started + nbytes / (float(rate) * (1 << 20))
+        while (left := end - time.perf_counter()) > 0:
+            if cancel is not None and cancel.wait(min(left, 0.05)):
+                return
+            if cancel is None:
+                time.sleep(left)

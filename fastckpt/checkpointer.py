@@ -206,6 +206,7 @@ class _Job:
     user_meta: dict = field(default_factory=dict)
     t0: float = 0.0
     pieces: queue.Queue = field(default_factory=queue.Queue)  # (piece, buffer) as staged
+    cancel: threading.Event = field(default_factory=threading.Event)  # superseded: stop early
     deadline: float | None = None  # monotonic; the emergency save's commit deadline
 
 
@@ -237,6 +238,7 @@ class Checkpointer:
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._last: SaveHandle | None = None
+        self._last_job: _Job | None = None
         self._closed = False
         self._checked_root = False
         self._preempt: Any = None
@@ -316,6 +318,7 @@ class Checkpointer:
                    deadline=_deadline)
         self._ensure_worker()
         self._last = handle
+        self._last_job = job
         self._queue.put(job)  # the writer starts on each piece as soon as it is staged
         t1 = time.perf_counter()
         try:
@@ -333,6 +336,15 @@ class Checkpointer:
         if block:
             handle.wait()
         return handle
+
+    def _supersede(self) -> SaveHandle | None:
+        """Ask the in-flight save to stop before its next piece and fail without committing
+        (every rank of the job must do the same); its handle, or None if none is in flight."""
+        job = self._last_job
+        if job is None or job.handle.done():
+            return None
+        job.cancel.set()
+        return job.handle
 
     def wait(self) -> None:
         """Block until the last save is committed; raise its failure."""
@@ -390,6 +402,9 @@ class Checkpointer:
                     if piece is None:
                         remaining = 0  # the training thread stopped staging
                         raise FastCkptError(f"staging failed: {buf}") from buf
+                    if job.cancel.is_set():
+                        raise FastCkptError(f"save of step {plan.step} was superseded by a "
+                                            "newer save (preemption); nothing was committed")
                     try:
                         files.append(self._write_piece(d, plan, piece, buf))
                     finally:
@@ -407,7 +422,11 @@ class Checkpointer:
         except Exception as e:
             local_exc = e
             result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        _faults.throttle(plan.file_size, t0)
+        _faults.throttle(plan.file_size, t0, job.cancel)
+        if local_exc is None and job.cancel.is_set():
+            local_exc = FastCkptError(f"save of step {plan.step} was superseded by a newer save "
+                                      "(preemption); nothing was committed")
+            result = {"ok": False, "error": str(local_exc)}
         t1 = time.perf_counter()
         deadline = time.monotonic() + self.options.commit_timeout_s
         if job.deadline is not None:

@@ -484,10 +484,15 @@ class Preemption:
             source = "assumed (no save measured yet)"
         inflight = ck._last if ck._last is not None and not ck._last.done() else None
         est_s = nbytes / stage_bps + nbytes / write_bps + 0.5  # + plan gather, manifest, acks
+        # superseding stops the in-flight save before its next piece: at worst one piece
+        # (one shard file) is still written first
+        job = ck._last_job
+        piece = max((p.size for p in job.plan.pieces), default=0) if job is not None else 0
         return {"bytes": int(nbytes), "write_mibps": round(write_bps / (1 << 20), 2),
                 "est_s": round(est_s, 4), "source": source,
                 "inflight_step": inflight.step if inflight is not None else None,
                 "inflight_left_s": round(nbytes / write_bps + 0.5, 4) if inflight else 0.0,
+                "inflight_piece_s": round(min(piece, nbytes) / write_bps, 4) if inflight else 0.0,
                 "left_s": round(self._dl() - time.monotonic(), 4)}
 
     @staticmethod
@@ -497,16 +502,20 @@ class Preemption:
         est = max(r["est_s"] for r in reports)
         infl = [r["inflight_step"] for r in reports if r["inflight_step"] is not None]
         infl_left = max(r["inflight_left_s"] for r in reports)
+        piece_left = max(r.get("inflight_piece_s", r["inflight_left_s"]) for r in reports)
         nums = {"left_s": round(left, 3), "est_save_s": round(est, 3),
                 "bytes": sum(r["bytes"] for r in reports),
                 "inflight_step": max(infl) if infl else None,
-                "inflight_left_s": round(infl_left, 3) if infl else 0.0}
+                "inflight_left_s": round(infl_left, 3) if infl else 0.0,
+                "inflight_piece_s": round(piece_left, 3) if infl else 0.0}
         if not infl:
             return ("save" if est <= left else "skip"), nums
         if max(infl) >= step:
             return ("wait" if infl_left <= left else "abandon"), nums
         if infl_left + est <= left:
             return "wait_then_save", nums
+        if piece_left + est <= left:
+            return "supersede", nums  # the newer step fits only without the older one
         if infl_left <= left:
             return "wait", nums
         return "abandon", nums
@@ -533,6 +542,17 @@ class Preemption:
                         self.rank, step, decision, nums["left_s"], nums["est_save_s"],
                         nums["bytes"], nums["inflight_step"], nums["inflight_left_s"])
             last = self.ckpt._last
+            if decision == "supersede":
+                t0 = time.monotonic()
+                old = self.ckpt._supersede()
+                if old is not None:
+                    old.exception(max(0.0, self._dl(-margin) - time.monotonic()))
+                    if not old.done():
+                        raise TimeoutError(f"superseded save of step {old.step} did not stop "
+                                           "before the deadline")
+                    old._reported = True
+                    self.event("superseded", step=old.step, committed=old.committed,
+                               seconds=round(time.monotonic() - t0, 3))
             if decision in ("wait", "wait_then_save") and last is not None:
                 t0 = time.monotonic()
                 exc = last.exception(max(0.0, self._dl(-margin) - time.monotonic()))
@@ -545,7 +565,7 @@ class Preemption:
                            error=None if exc is None else str(exc))
                 if exc is not None and decision == "wait":
                     raise exc  # it was to be the checkpoint; with wait_then_save, save anyway
-            if decision in ("save", "wait_then_save"):
+            if decision in ("save", "wait_then_save", "supersede"):
                 if last is not None and last.done() and last._exc is not None \
                         and not last._reported:  # an earlier failure must not stop this save
                     last._reported = True

@@ -13,7 +13,8 @@ every step, and writes under ``cfg["out"]``:
 cfg keys: root, out, tag, total, step_s, grace_s, save_every, mib (padding per rank),
 save_steps, throttle_mibps, throttle_after_periodic,
 fault_after_periodic ("point@rank" armed after the first periodic save),
-slow_resume_s, long_step ({rank: [step, seconds]}), consensus, cancel_signals.
+slow_resume_s, long_step ({rank: [step, seconds]}), consensus, cancel_signals,
+staging_cap_mib.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ def train(rank: int, world: int, cfg: dict) -> None:
         kw["preempt_consensus"] = cfg["consensus"]
     if cfg.get("cancel_signals"):
         kw["cancel_signals"] = tuple(cfg["cancel_signals"])
+    if cfg.get("staging_cap_mib"):
+        kw["staging_cap_bytes"] = int(cfg["staging_cap_mib"] * (1 << 20))
     ck = fastckpt.Checkpointer(cfg["root"], **kw)
     start = ck.resume(state)
     with open(os.path.join(out, f"resumed-{tag}-r{rank}"), "w") as f:

@@ -94,7 +94,7 @@ def baseline(tmp_path_factory):
 def _check_resume_exact(tmp, world, cfg, stop_step, baseline):
     """Resume from the emergency checkpoint: everything equals the uninterrupted run."""
     rcfg = dict(cfg, tag="resumed")
-    for k in ("long_step", "fault_after_periodic", "throttle_mibps"):
+    for k in ("long_step", "fault_after_periodic", "throttle_mibps", "staging_cap_mib"):
         rcfg.pop(k, None)
     if "slow_resume_s" in rcfg:
         rcfg["slow_resume_s"] = 0.01
@@ -189,6 +189,30 @@ def test_signal_while_async_save_in_flight(tmp_path, baseline):
     assert _one(_events(cfg["root"], 1), "inflight_done")["ok"]
     assert sorted(n for n in os.listdir(cfg["root"]) if n.startswith("step-")) == \
         ["step-0000000003", f"step-{stop:010d}"]
+    _check_resume_exact(tmp_path, 2, cfg, stop, baseline)
+
+
+def test_signal_supersedes_a_slow_in_flight_save(tmp_path, baseline):
+    # 6 MiB per rank at 3 MiB/s in 1 MiB shard files: the periodic save of step 8 needs about
+    # 2.5 s; finishing it and then saving step 9 does not fit 5 s of grace, dropping it after its
+    # current file and saving step 9 does
+    cfg = _cfg(tmp_path, "run", mib=6, throttle_mibps=3, save_steps=[2, 8], step_s=0.03,
+               grace_s=5.0, staging_cap_mib=2)
+    procs = launch(2, cfg)
+    _wait_step(cfg["out"], "run", 0, 9, procs)  # the save of step 8 is in flight
+    t_sig = time.time()
+    os.kill(procs[1].pid, signal.SIGTERM)
+    assert _wait(procs, 60) == [preempt.EXIT_PREEMPTED] * 2
+    stop = _check_agreed(cfg["root"], 2, t_sig, cfg["step_s"])
+    for r in range(2):
+        evs = _events(cfg["root"], r)
+        d = _one(evs, "decision")
+        assert d["decision"] == "supersede" and d["inflight_step"] == 8, d
+        sup = _one(evs, "superseded")
+        assert sup["step"] == 8 and not sup["committed"], sup
+        assert _one(evs, "exit")["deadline_in_s"] > 0
+    assert sorted(n for n in os.listdir(cfg["root"]) if n.startswith("step-")) == \
+        ["step-0000000002", f"step-{stop:010d}"]
     _check_resume_exact(tmp_path, 2, cfg, stop, baseline)
 
 
@@ -432,6 +456,9 @@ def test_decisions():
     assert d([rep(5.5, 2, 4, 3)], 5, 1)[0] == "wait"
     assert d([rep(3, 2, 4, 3)], 5, 1)[0] == "abandon"
     assert d([rep(10, 2, 5, 3)], 5, 1)[0] == "wait"  # the in-flight save is this very step
+    sup = dict(rep(5.5, 2, 4, 3), inflight_piece_s=0.5)  # only its current piece is left
+    assert d([sup], 5, 1)[0] == "supersede"
+    assert d([dict(sup, inflight_piece_s=3)], 5, 1)[0] == "wait"
 
 
 def test_allreduce_consensus_option(tmp_path):
