@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -53,10 +52,12 @@ class Exchange:
     process). Values are bytes.
     """
 
-    def __init__(self, prefix: str = "fastckpt") -> None:
+    def __init__(self, prefix: str = "fastckpt", store: Any = None) -> None:
         self._local: dict[str, bytes] | None = None
         self._cond = threading.Condition()
-        if initialized():
+        if store is not None:
+            self._store = dist.PrefixStore(prefix, store)
+        elif initialized():
             from torch.distributed.distributed_c10d import _get_default_store
             self._store = dist.PrefixStore(prefix, _get_default_store())
         else:
@@ -82,14 +83,26 @@ class Exchange:
                         break
                     self._cond.wait(min(left, 0.5))
                 return {k: self._local[k] for k in keys if k not in missing}, missing  # type: ignore[index]
-        left = deadline - time.monotonic()
-        if left > 0:
+        # Poll with short sleeps rather than one blocking ``store.wait``: the c10d client is
+        # shared by every thread of the process and a blocking wait would hold it (the
+        # preemption watcher must get through while a commit waits for its peers).
+        delay = 0.001
+        while True:
             try:
-                self._store.wait(keys, timedelta(seconds=left))
-            except Exception:  # timeout (DistStoreError) or a store error: find out below
-                pass
+                if self._store.check(keys):
+                    break
+            except Exception:  # the store is gone (its host, rank 0, died): nothing will come
+                return {}, list(keys)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 0.02)
         missing = [k for k in keys if not self._check(k)]
-        return {k: self._store.get(k) for k in keys if k not in missing}, missing
+        try:
+            return {k: self._store.get(k) for k in keys if k not in missing}, missing
+        except Exception:
+            return {}, list(keys)
 
     def _check(self, key: str) -> bool:
         try:

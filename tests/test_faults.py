@@ -274,3 +274,24 @@ def test_commit_coordinator_failure_reaches_everyone():
     assert all(isinstance(o, fastckpt.SaveFailedError) for o in out.values())
     assert isinstance(out[0].__cause__, OSError)
     assert "commit failed" in str(out[1])
+
+
+def test_store_exchange_waits_do_not_block_other_threads():
+    """A commit waiting on its peers must not hold the shared c10d client (the preemption
+    watcher uses it at the same time)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from tests.distributed import free_port
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=30))
+    ex = _dist.Exchange(store=store)
+    t = threading.Thread(target=ex.wait, args=(["never"], time.monotonic() + 3.0))
+    t.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    ex.set("x", b"1")
+    found, missing = ex.wait(["x"], time.monotonic() + 5.0)
+    took = time.monotonic() - t0
+    t.join()
+    assert found == {"x": b"1"} and not missing
+    assert took < 1.0, took  # not after the other thread's 3 s wait
