@@ -322,10 +322,16 @@ class Checkpointer:
         self._queue.put(job)  # the writer starts on each piece as soon as it is staged
         t1 = time.perf_counter()
         try:
+            staged = []
             for piece in plan.pieces:
                 buf = self._pool.acquire(piece.index)  # capped pool: waits for the writer
                 stage_piece(piece, buf, data)
-                job.pieces.put((piece, buf))
+                if self._pool.capped:
+                    job.pieces.put((piece, buf))  # write while the next piece is copied
+                else:
+                    staged.append((piece, buf))
+            for item in staged:  # uncapped: the copy runs alone, so the stall is one memcpy
+                job.pieces.put(item)
         except BaseException as e:
             job.pieces.put((None, e))  # the writer fails this save on every rank
             raise
