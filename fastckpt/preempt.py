@@ -482,6 +482,11 @@ class Preemption:
             write_bps = self.opts.assumed_write_mibps * (1 << 20)
             stage_bps = 2e9
             source = "assumed (no save measured yet)"
+            rec = self._bench_record()
+            if rec:  # `fastckpt bench ROOT` measured this storage
+                write_bps = rec.get("save") or write_bps
+                stage_bps = rec.get("stage") or stage_bps
+                source = "fastckpt bench record (no save measured yet)"
         inflight = ck._last if ck._last is not None and not ck._last.done() else None
         est_s = nbytes / stage_bps + nbytes / write_bps + 0.5  # + plan gather, manifest, acks
         # superseding stops the in-flight save before its next piece: at worst one piece
@@ -494,6 +499,16 @@ class Preemption:
                 "inflight_left_s": round(nbytes / write_bps + 0.5, 4) if inflight else 0.0,
                 "inflight_piece_s": round(min(piece, nbytes) / write_bps, 4) if inflight else 0.0,
                 "left_s": round(self._dl() - time.monotonic(), 4)}
+
+    def _bench_record(self) -> dict | None:
+        """Per-rank bandwidths from ``fastckpt bench``'s record in the root, if there is one."""
+        try:
+            from .bench import read_bench
+            rec = read_bench(self.ckpt.root)
+            per = (rec or {}).get("per_rank_bytes_per_s") or {}
+            return {k: float(v) for k, v in per.items() if isinstance(v, (int, float)) and v > 0}
+        except Exception:  # a damaged record must not break the emergency path
+            return None
 
     @staticmethod
     def decide(reports: list[dict], step: int, margin: float) -> tuple[str, dict]:

@@ -375,6 +375,24 @@ def test_fast_path_cost_and_no_collective(root):
     assert per_call < 50e-6, per_call
 
 
+def test_budget_uses_the_bench_record_before_any_save(root):
+    """`fastckpt bench ROOT` seeds the estimate until a save was measured."""
+    os.makedirs(root, exist_ok=True)
+    st = _plain_state()
+    ck = fastckpt.Checkpointer(root, grace_s=10)
+    try:
+        assert ck.preemption._estimate(st)["source"].startswith("assumed")
+        with open(os.path.join(root, ".fastckpt-bench.json"), "w") as f:
+            json.dump({"format": "fastckpt-bench", "version": 1,
+                       "per_rank_bytes_per_s": {"save": 5 * (1 << 20), "stage": 1e9}}, f)
+        est = ck.preemption._estimate(st)
+        assert est["source"].startswith("fastckpt bench") and est["write_mibps"] == 5.0, est
+        ck.save(st, step=1).wait()
+        assert ck.preemption._estimate(st)["source"].startswith("measured")
+    finally:
+        ck.close()
+
+
 def test_handlers_chained_and_restored(root):
     seen = []
     def old(s, f):
