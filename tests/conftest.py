@@ -1,4 +1,5 @@
 import os
+import subprocess
 import sys
 
 import pytest
@@ -14,3 +15,22 @@ def root(tmp_path):
     """A fresh checkpoint root directory."""
     d = tmp_path / "ckpt"
     return str(d)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``tmpfs(options) -> path``: a small tmpfs mounted for the test (a full or read-only disk);
+    skips when mounting is not allowed (not root). Unmounted afterwards."""
+    mounted = []
+
+    def mount(options: str) -> str:
+        d = tmp_path / f"tmpfs{len(mounted)}"
+        d.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(d)],
+                          capture_output=True).returncode != 0:
+            pytest.skip("cannot mount a tmpfs here (needs root)")
+        mounted.append(str(d))
+        return str(d)
+    yield mount
+    for d in mounted:
+        subprocess.run(["umount", "-l", d])

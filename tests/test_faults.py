@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import threading
 import time
 
@@ -147,29 +146,13 @@ def test_unwritable_root(tmp_path):
 
 
 @pytest.fixture
-def small_fs(tmp_path):
-    d = tmp_path / "tiny"
-    d.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(d)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
-        yield str(d)
-    finally:
-        subprocess.run(["umount", "-l", str(d)])
+def small_fs(tmpfs):
+    return tmpfs("size=6m")
 
 
 @pytest.fixture
-def readonly_fs(tmp_path):
-    d = tmp_path / "ro"
-    d.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(d)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
-        yield str(d)
-    finally:
-        subprocess.run(["umount", "-l", str(d)])
+def readonly_fs(tmpfs):
+    return tmpfs("size=1m,ro")
 
 
 def test_read_only_root(readonly_fs):
