@@ -21,7 +21,7 @@ Call sequence (who makes each call):
    pending: wait for ``T`` (bounded), return None before ``T``; at ``T`` run the emergency path.
 4. (all ranks, training thread) emergency path: publish ``est/<rank>`` (bytes to write, measured
    bandwidth, in-flight save); every rank computes the same decision from the same reports
-   (save / wait for the in-flight save then save / keep the in-flight one / skip); save with a
+   (save / wait for the in-flight save then save / supersede it / keep it / skip); save with a
    commit deadline inside the grace window; barrier ``done/<rank>`` with a deadline; destroy the
    process group; exit with the documented code. A watchdog thread ends the process at
    ``deadline + HARD_EXTRA_S`` whatever the training thread is blocked in.
