@@ -21,8 +21,12 @@ echo "== 2. the same job, killed with SIGKILL after step 35"
 setsid bash -c "$(declare -f run); STEPS=$STEPS; run '$OUT/ckpt' '$OUT/run.jsonl'" &
 job=$!
 while [ "$(wc -l < "$OUT/run.jsonl" 2>/dev/null || echo 0)" -lt 35 ]; do sleep 0.1; done
+# SIGKILL the whole job at once: torchrun's process group, and the workers, which torchrun
+# starts in sessions of their own
+pkill -KILL -f "train_demo.py --root $OUT/ckpt " || true
 kill -KILL -- -"$job" 2>/dev/null || true
 wait "$job" 2>/dev/null || true
+while pgrep -f "train_demo.py --root $OUT/ckpt " >/dev/null; do sleep 0.1; done
 echo "[demo] killed after $(wc -l < "$OUT/run.jsonl") logged steps"
 fastckpt ls "$OUT/ckpt" 2>/dev/null || python -c "import fastckpt; print('[demo] newest committed step:', fastckpt.Checkpointer('$OUT/ckpt').latest_step())"
 
