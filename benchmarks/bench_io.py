@@ -39,6 +39,9 @@ import xxhash  # noqa: E402
 
 from fastckpt import _native  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import drop_caches  # noqa: E402
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -59,16 +62,6 @@ def cpu_self() -> float:
 def cpu_children() -> float:
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return True
-    except OSError:
-        return False
 
 
 def fill(buf: memoryview, n: int) -> None:

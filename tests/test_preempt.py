@@ -56,6 +56,14 @@ def _wait_step(out, tag, rank, step, procs, timeout=60.0):
     raise AssertionError(f"rank {rank} did not reach step {step}")
 
 
+def _wait_file(path, procs, timeout=30.0):
+    end = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < end, f"{path} did not appear"
+        assert all(p.exitcode is None for p in procs), [p.exitcode for p in procs]
+        time.sleep(0.01)
+
+
 def _events(root, rank):
     with open(os.path.join(root, "events", f"rank{rank:05d}.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -308,11 +316,7 @@ def test_throttled_writer_cannot_fit_the_window(tmp_path):
                step_s=0.03)
     procs = launch(2, cfg)
     _wait_step(cfg["out"], "run", 0, 2, procs)
-    manifest = os.path.join(cfg["root"], "step-0000000002", "manifest.json")
-    end = time.monotonic() + 30
-    while not os.path.exists(manifest):
-        assert time.monotonic() < end
-        time.sleep(0.01)
+    _wait_file(os.path.join(cfg["root"], "step-0000000002", "manifest.json"), procs)
     time.sleep(0.3)
     t_sig = time.time()
     os.kill(procs[1].pid, signal.SIGTERM)
@@ -339,10 +343,7 @@ def test_disk_slower_than_measured_fails_cleanly(tmp_path):
                throttle_after_periodic=1)
     procs = launch(2, cfg)
     for r in range(2):
-        end = time.monotonic() + 30
-        while not os.path.exists(os.path.join(cfg["out"], f"saved-run-r{r}")):
-            assert time.monotonic() < end and all(p.exitcode is None for p in procs)
-            time.sleep(0.01)
+        _wait_file(os.path.join(cfg["out"], f"saved-run-r{r}"), procs)
     t_sig = time.time()
     os.kill(procs[0].pid, signal.SIGTERM)
     assert _wait(procs, 60) == [preempt.EXIT_FAILED] * 2
