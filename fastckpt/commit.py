@@ -8,7 +8,8 @@ Call sequence for one save (``save_id`` agreed when the save was planned):
                    ``coordinator(results)``, which writes the manifest (the commit point) and
                    returns a small JSON-able dict; publish the outcome under ``{save_id}/outcome``.
                    Missing ranks, failed ranks or a failed manifest write publish a failure.
-3. (other ranks)   wait for the outcome until the deadline.
+3. (other ranks)   wait for the outcome until the deadline + ``OUTCOME_GRACE_S`` (the
+                   coordinator decides at the deadline, and its verdict names the missing ranks).
 4. (all ranks)     acknowledge; the last rank deletes the keys. Raise on failure.
 
 Nothing here touches storage, so the protocol is testable with threads and a dict exchange.
@@ -21,6 +22,10 @@ import time
 from typing import Any, Callable
 
 from .errors import CommitTimeoutError, SaveFailedError
+
+
+#: how much longer than the coordinator the other ranks wait for its decision
+OUTCOME_GRACE_S = 2.0
 
 
 def commit(exchange: Any, *, save_id: str, rank: int, world_size: int, result: dict,
@@ -54,7 +59,9 @@ def commit(exchange: Any, *, save_id: str, rank: int, world_size: int, result: d
         exchange.set(out_key, json.dumps(outcome).encode())
         exchange.delete(keys)
     else:
-        found, missing = exchange.wait([out_key], deadline)
+        # the coordinator decides at the deadline; wait a little longer for its verdict, which
+        # names the ranks that did not report (else every rank would only blame rank 0)
+        found, missing = exchange.wait([out_key], deadline + OUTCOME_GRACE_S)
         if missing:
             raise CommitTimeoutError(
                 f"save {save_id}: no commit decision from the coordinator, rank(s) [0], within "
