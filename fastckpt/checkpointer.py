@@ -251,7 +251,7 @@ class Checkpointer:
     # -- properties ---------------------------------------------------------------------------
     @property
     def io_backend(self) -> str:
-        """"native" or "python": which I/O path writes and reads the shards."""
+        """Which I/O path writes and reads the shards: "native" or "python"."""
         return get_backend(self.options.native).name
 
     @property
