@@ -174,27 +174,19 @@ def main() -> int:
 
     py = _native.PythonBackend()
     contenders = []  # (name, kind, fn)
-    if nat:
-        nb = _native.NativeBackend()
-        contenders += [("native direct", "write", writer(nb, True)), ("native buffered", "write", writer(nb, False))]
-    contenders += [("python direct", "write", writer(py, True)), ("python buffered", "write", writer(py, False))]
-    # "+busy": the same direct I/O while another Python thread spins (GIL contention, as when the
-    # training loop keeps running during a background save)
-    if not args.no_busy:
-        if nat:
-            contenders.append(("native direct+busy", "write", with_busy_thread(writer(nb, True))))
-        contenders.append(("python direct+busy", "write", with_busy_thread(writer(py, True))))
-    if have_fio:
-        contenders.append(("fio libaio d8", "write", None))
-    if nat:
-        contenders += [("native direct", "read", reader(nb, True)), ("native buffered", "read", reader(nb, False))]
-    contenders += [("python direct", "read", reader(py, True)), ("python buffered", "read", reader(py, False))]
-    if not args.no_busy:
-        if nat:
-            contenders.append(("native direct+busy", "read", with_busy_thread(reader(nb, True))))
-        contenders.append(("python direct+busy", "read", with_busy_thread(reader(py, True))))
-    if have_fio:
-        contenders.append(("fio libaio d8", "read", None))
+    nb = _native.NativeBackend() if nat else None
+    backends = ([("native", nb)] if nat else []) + [("python", py)]
+    for kind, make in (("write", writer), ("read", reader)):
+        for name, b in backends:
+            contenders += [(f"{name} direct", kind, make(b, True)),
+                           (f"{name} buffered", kind, make(b, False))]
+        # "+busy": the same direct I/O while another Python thread spins (GIL contention, as
+        # when the training loop keeps running during a background save)
+        if not args.no_busy:
+            contenders += [(f"{name} direct+busy", kind, with_busy_thread(make(b, True)))
+                           for name, b in backends]
+        if have_fio:
+            contenders.append(("fio libaio d8", kind, None))
 
     # hash-only throughput (memory-bound reference)
     hash_rows = {}
