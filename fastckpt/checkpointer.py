@@ -22,6 +22,7 @@ Call sequence of ``Checkpointer.save(state, step=s)`` (every rank calls it, coll
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
 import json
 import logging
@@ -34,6 +35,7 @@ import uuid
 import warnings
 import weakref
 from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -198,6 +200,9 @@ class SaveHandle:
 _SENTINEL = object()
 
 
+WRITE_STREAMS = 2  # shard files written at once by one rank
+
+
 @dataclass
 class _Job:
     plan: SavePlan
@@ -323,17 +328,19 @@ class Checkpointer:
         t1 = time.perf_counter()
         try:
             staged = []
+            capped = self._pool.capped
+            io = self.storage.io if capped else None
             for piece in plan.pieces:
                 buf = self._pool.acquire(piece.index)  # capped pool: waits for the writer
-                stage_piece(piece, buf, data)
-                if self._pool.capped:
-                    job.pieces.put((piece, buf))  # write while the next piece is copied
+                hashes = stage_piece(piece, buf, data, io)
+                if capped:
+                    job.pieces.put((piece, buf, hashes))  # write while the next piece is copied
                 else:
-                    staged.append((piece, buf))
+                    staged.append((piece, buf, hashes))
             for item in staged:  # uncapped: the copy runs alone, so the stall is one memcpy
                 job.pieces.put(item)
         except BaseException as e:
-            job.pieces.put((None, e))  # the writer fails this save on every rank
+            job.pieces.put((None, e, None))  # the writer fails this save on every rank
             raise
         handle.timings["plan_s"] = t1 - t0
         handle.timings["stage_s"] = time.perf_counter() - t1
@@ -401,25 +408,34 @@ class Checkpointer:
                     "host": socket.gethostname(), "pid": os.getpid()}).encode())
             files = []
             remaining = len(plan.pieces)
+            pending: collections.deque = collections.deque()
             try:
-                while remaining:
-                    piece, buf = job.pieces.get()
-                    remaining -= 1
-                    if piece is None:
-                        remaining = 0  # the training thread stopped staging
-                        raise FastCkptError(f"staging failed: {buf}") from buf
-                    if job.cancel.is_set():
-                        raise FastCkptError(f"save of step {plan.step} was superseded by a "
-                                            "newer save (preemption); nothing was committed")
-                    try:
-                        files.append(self._write_piece(d, plan, piece, buf))
-                    finally:
-                        self._pool.release(buf)
+                # WRITE_STREAMS pieces are written at once, so one file's drain, fsync and
+                # open overlap the next file's writes and the device queue never runs dry
+                with ThreadPoolExecutor(WRITE_STREAMS, thread_name_prefix="fastckpt-io") as ex:
+                    while remaining:
+                        piece, buf, hashes = job.pieces.get()
+                        remaining -= 1
+                        if piece is None:
+                            remaining = 0  # the training thread stopped staging
+                            raise FastCkptError(f"staging failed: {buf}") from buf
+                        if job.cancel.is_set():
+                            self._pool.release(buf)
+                            raise FastCkptError(f"save of step {plan.step} was superseded by a "
+                                                "newer save (preemption); nothing was committed")
+                        while len(pending) >= WRITE_STREAMS or (pending and pending[0].done()):
+                            files.append(pending.popleft().result())  # raises a write's error
+                        pending.append(ex.submit(self._write_piece, d, plan, piece, buf, hashes))
+                    while pending:
+                        files.append(pending.popleft().result())
+                files.sort(key=lambda f: f["piece"])
+                st.sync_dir(d)  # the files' entries, once for all of them
             finally:
                 # after a failure, take the pieces still coming so a capped pool never leaves
-                # the training thread waiting for a buffer
+                # the training thread waiting for a buffer (the executor has finished by now:
+                # its writes released their own buffers)
                 while remaining:
-                    piece, buf = job.pieces.get()
+                    piece, buf, _ = job.pieces.get()
                     remaining = 0 if piece is None else remaining - 1
                     if piece is not None:
                         self._pool.release(buf)
@@ -466,8 +482,13 @@ class Checkpointer:
             log.warning("fastckpt: rank %d: could not remove the failed save's files: %s",
                         self.rank, e)
 
-    def _write_piece(self, d: str, plan: SavePlan, piece: Any, buf: memoryview) -> dict:
-        """(background) Write one shard file from its staged buffer; its manifest entries."""
+    def _write_piece(self, d: str, plan: SavePlan, piece: Any, buf: memoryview,
+                     hashes: list[int] | None) -> dict:
+        """(background) Write one shard file from its staged buffer, then release the buffer to
+        the pool; the file's manifest entries.
+        ``hashes``: the chunks' checksums when staging computed them, else computed here while
+        writing. No whole-file checksum: every byte of a shard is a chunk (checksummed) or
+        alignment padding (zero), which is what ``verify`` checks."""
         name = fmt.shard_name(self.rank, plan.save_id, piece.index)
         path = f"{d}/{name}"
         if piece.index == 0 and _faults.armed("mid_shard_write", self.rank):
@@ -477,12 +498,15 @@ class Checkpointer:
                 os.fsync(f.fileno())
             _faults.point("mid_shard_write", self.rank)
         ranges = [(s.offset, s.spec.nbytes) for s in piece.slots]
-        fh, hashes = self.storage.write_shard(path, buf, piece.size, ranges)
+        try:
+            _, hashes = self.storage.write_shard(path, buf, piece.size, ranges, hashes=hashes,
+                                                 whole=False, sync_dir=False)
+        finally:
+            self._pool.release(buf)
         chunks = [{"fqn": s.spec.fqn, "offsets": list(s.spec.offsets),
                    "sizes": list(s.spec.sizes), "offset": s.offset, "length": s.spec.nbytes,
                    "checksum": fmt.hexdigest(h)} for s, h in zip(piece.slots, hashes)]
-        return {"file": name, "size": piece.size, "checksum": fmt.hexdigest(fh),
-                "chunks": chunks}
+        return {"file": name, "piece": piece.index, "size": piece.size, "chunks": chunks}
 
     def _coordinate(self, job: _Job, results: list[dict]) -> dict:
         """(coordinator) Write the manifest for a save every rank completed; the commit point."""
@@ -491,7 +515,7 @@ class Checkpointer:
         tensors = {fqn: {**m, "chunks": []} for fqn, m in plan.tensors.items()}
         for r, res in enumerate(results):
             for f in res["files"]:
-                files[f["file"]] = {"rank": r, "size": f["size"], "checksum": f["checksum"]}
+                files[f["file"]] = {"rank": r, "size": f["size"]}
                 for c in f["chunks"]:
                     tensors[c["fqn"]]["chunks"].append({
                         "offsets": c["offsets"], "sizes": c["sizes"], "rank": r,

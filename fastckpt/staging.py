@@ -30,6 +30,9 @@ from ._native import aligned_buffer
 MIN_PIECE = 1 << 20
 PIECE_MIN_DEFAULT = 64 << 20
 PIECE_MAX_DEFAULT = 256 << 20
+# a capped pool holds this many pieces: two being written (the writer keeps two files in
+# flight) while the next two are copied
+CAPPED_BUFFERS = 4
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,7 @@ def piece_bytes(total: int, cap: int | None) -> int:
     """The target size of one shard file for a rank holding ``total`` bytes."""
     p = min(PIECE_MAX_DEFAULT, max(PIECE_MIN_DEFAULT, total // 8))
     if cap is not None:
-        p = min(p, max(MIN_PIECE, cap // 2))
+        p = min(p, max(MIN_PIECE, cap // CAPPED_BUFFERS))
     return fmt.align_up(p)
 
 
@@ -146,22 +149,40 @@ class StagingPool:
             self._free.put(buf)
 
 
-def stage_piece(piece: Piece, buf: memoryview, data: dict) -> None:
+def stage_piece(piece: Piece, buf: memoryview, data: dict, io=None) -> list[int] | None:
     """Copy a piece's slots into ``buf`` at their file offsets; zero the alignment gaps so the
-    file's bytes are deterministic."""
+    file's bytes are deterministic.
+
+    With ``io`` (an I/O backend: the capped pool and one-off saves, where the copy overlaps the
+    writer), contiguous CPU tensors are copied by ``io.copy_hash``: one thread, GIL released,
+    each chunk's xxh3 computed on the bytes just copied while they are in cache, so the writer
+    does not read them again; returns the slots' hashes. Without ``io`` (an uncapped pool, where
+    the copy is the training stall) torch copies alone and returns None: the writer hashes.
+    """
+    hashes: list[int] | None = [] if io is not None else None
     if piece.size == 0:  # only empty tensors: an empty file
-        return
+        if hashes is not None:
+            hashes = [io.hash(b"", 0) for _ in piece.slots]
+        return hashes
     dst = torch.frombuffer(buf, dtype=torch.uint8, count=fmt.align_up(piece.size))
     pos = 0
     for slot in piece.slots:
         n = slot.spec.nbytes
         if slot.offset > pos:
             dst[pos:slot.offset].zero_()
-        if n:
-            src = data[slot.key]
-            if slot.row0 or src.shape[:1] != slot.spec.sizes[:1]:
-                src = src.narrow(0, slot.row0, slot.spec.sizes[0])
-            if not src.is_contiguous():
-                src = src.contiguous()
-            dst[slot.offset:slot.offset + n].copy_(src.reshape(-1).view(torch.uint8))
+        src = data[slot.key] if n else None
+        if src is not None and (slot.row0 or src.shape[:1] != slot.spec.sizes[:1]):
+            src = src.narrow(0, slot.row0, slot.spec.sizes[0])
+        if hashes is None:
+            if n:
+                if not src.is_contiguous():
+                    src = src.contiguous()
+                dst[slot.offset:slot.offset + n].copy_(src.reshape(-1).view(torch.uint8))
+        elif n and src.device.type == "cpu" and src.is_contiguous():
+            hashes.append(io.copy_hash(buf, slot.offset, src.data_ptr(), n))
+        else:
+            if n:  # GPU or strided: torch copies, then the hash of the staged bytes
+                dst[slot.offset:slot.offset + n].copy_(src.contiguous().reshape(-1).view(torch.uint8))
+            hashes.append(io.hash(buf[slot.offset:slot.offset + n], n))
         pos = slot.offset + n
+    return hashes

@@ -451,7 +451,7 @@ def _verify_file(storage: Storage, d: str, name: str, info: dict, chunks: list,
     if pos < readable:
         segs.append([pos, readable, None, None, None])
     segs.sort(key=lambda s: s[0])
-    whole = xxhash.xxh3_64()
+    whole = xxhash.xxh3_64() if "checksum" in info else None  # only older saves have one
     buf = (get_buf or aligned_buffer)(min(block, max(readable, 1)))
     nread = 0
     checked = 0
@@ -470,7 +470,8 @@ def _verify_file(storage: Storage, d: str, name: str, info: dict, chunks: list,
                 progress(readable - bstart)
             return problems, nread, checked
         mv = buf[:n]
-        whole.update(mv)
+        if whole is not None:
+            whole.update(mv)
         nread += n
         while i < len(segs) and segs[i][0] < bend:
             open_segs.append(segs[i])
@@ -508,7 +509,7 @@ def _verify_file(storage: Storage, d: str, name: str, info: dict, chunks: list,
         open_segs = still
         if progress:
             progress(n)
-    if size == declared and not problems and "checksum" in info:
+    if size == declared and not problems and whole is not None:
         got = fmt.hexdigest(whole.intdigest())
         if got != info["checksum"]:
             problems.append(Problem("file-checksum", f"whole-file checksum mismatch (expected "
@@ -522,7 +523,8 @@ def verify_step(root: str | Storage, step: int | None = None, *, jobs: int = 4,
     """Re-read every shard file of a committed step (default: the newest) and check it.
 
     Checks the manifest's internal consistency, each file's presence and size, every chunk's
-    xxh3-64 checksum, that alignment padding is zero, and each file's whole checksum. Returns a
+    xxh3-64 checksum, that alignment padding is zero (together: every byte of every file), and
+    a whole-file checksum where the manifest has one (saves before 0.1.1 wrote it). Returns a
     :class:`VerifyResult` listing every problem (file, tensor, byte offset); raises only when
     there is no such committed step (CheckpointNotFoundError), its manifest is damaged
     (CorruptCheckpointError) or the root cannot be read (StorageError).

@@ -381,16 +381,18 @@ fail:
 /* ------------------------------------------------------------------------ */
 
 PyDoc_STRVAR(write_file_doc,
-"write_file(path, buf, nbytes, ranges, direct=True, fsync=True, block_size=0, depth=0)\n"
+"write_file(path, buf, nbytes, ranges, direct=True, fsync=True, block_size=0, depth=0, whole=True)\n"
 "--\n\n"
 "Create/truncate path and write buf[0:nbytes]; return (xxh3_64 of all, [xxh3_64 per range]).\n"
+"whole=False skips the hash of all (None in its place): one pass over the bytes fewer.\n"
 "block_size/depth of 0 mean the defaults (16 MiB, 4 requests in flight).");
 
 static PyObject *py_write_file(PyObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"path", "buf", "nbytes", "ranges", "direct", "fsync", "block_size", "depth", NULL};
+    static char *kwlist[] = {"path", "buf", "nbytes", "ranges", "direct", "fsync", "block_size", "depth",
+                             "whole", NULL};
     PyObject *pathb = NULL, *bufobj, *ranges, *result = NULL, *lst = NULL;
     Py_ssize_t nbytes, block = 0, nr = 0;
-    int direct = 1, do_fsync = 1, depth = 0;
+    int direct = 1, do_fsync = 1, depth = 0, whole = 1;
     Py_buffer view;
     range_t *rg = NULL;
     uint64_t *rh = NULL, full_hash = 0;
@@ -405,8 +407,9 @@ static PyObject *py_write_file(PyObject *self, PyObject *args, PyObject *kw) {
     const char *owhat = NULL;
     int owith_off = 1;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&OnO|ppni:write_file", kwlist, PyUnicode_FSConverter,
-                                     &pathb, &bufobj, &nbytes, &ranges, &direct, &do_fsync, &block, &depth))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&OnO|ppnip:write_file", kwlist, PyUnicode_FSConverter,
+                                     &pathb, &bufobj, &nbytes, &ranges, &direct, &do_fsync, &block, &depth,
+                                     &whole))
         return NULL;
     if (PyObject_GetBuffer(bufobj, &view, PyBUF_SIMPLE) < 0) {
         Py_DECREF(pathb);
@@ -464,9 +467,9 @@ static PyObject *py_write_file(PyObject *self, PyObject *args, PyObject *kw) {
                  * are big enough to be worth it, while the workers write */
                 ranges_job_t rj = {job.base, rg, nr, rh};
                 pthread_t rt;
-                int have_rt = nth > 0 && range_bytes >= FCK_RANGES_THREAD_MIN &&
+                int have_rt = whole && nth > 0 && range_bytes >= FCK_RANGES_THREAD_MIN &&
                               start_threads(hash_ranges, &rj, &rt, 1) == 1;
-                full_hash = hash_full(&hs, job.base, nbytes);
+                if (whole) full_hash = hash_full(&hs, job.base, nbytes);
                 if (have_rt)
                     pthread_join(rt, NULL);
                 else
@@ -501,7 +504,10 @@ static PyObject *py_write_file(PyObject *self, PyObject *args, PyObject *kw) {
         if (!v) goto out_nojob;
         PyList_SET_ITEM(lst, i, v);
     }
-    result = Py_BuildValue("(NO)", PyLong_FromUnsignedLongLong(full_hash), lst);
+    if (whole)
+        result = Py_BuildValue("(NO)", PyLong_FromUnsignedLongLong(full_hash), lst);
+    else
+        result = Py_BuildValue("(OO)", Py_None, lst);
 
 out_nojob:
     Py_XDECREF(lst);
@@ -667,6 +673,58 @@ static PyObject *py_hash(PyObject *self, PyObject *args) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* copy_hash: staging copy with the checksum fused into the same pass        */
+/* ------------------------------------------------------------------------ */
+
+PyDoc_STRVAR(copy_hash_doc,
+"copy_hash(dst, dst_offset, src_address, nbytes, hash=True)\n--\n\n"
+"Copy nbytes from the raw address src_address into dst[dst_offset:dst_offset+nbytes] on one\n"
+"thread with the GIL released; with hash=True also return their xxh3_64, computed on each\n"
+"256 KiB step right after it is copied (still in cache), else None.  The caller guarantees\n"
+"that src_address holds nbytes readable bytes that do not overlap dst.");
+
+#define FCK_COPY_STEP ((Py_ssize_t)256 << 10)
+
+static PyObject *py_copy_hash(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"dst", "dst_offset", "src_address", "nbytes", "hash", NULL};
+    PyObject *bufobj;
+    Py_ssize_t off, nbytes;
+    unsigned long long src;
+    int want = 1;
+    Py_buffer view;
+    uint64_t h = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OnKn|p:copy_hash", kwlist, &bufobj, &off, &src,
+                                     &nbytes, &want))
+        return NULL;
+    if (PyObject_GetBuffer(bufobj, &view, PyBUF_WRITABLE) < 0) return NULL;
+    if (off < 0 || nbytes < 0 || off > view.len || nbytes > view.len - off || (nbytes && !src)) {
+        PyErr_Format(PyExc_ValueError, "copy of %zd bytes to offset %zd outside buffer of %zd bytes",
+                     nbytes, off, view.len);
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    char *dst = (char *)view.buf + off;
+    const char *s = (const char *)(uintptr_t)src;
+    Py_BEGIN_ALLOW_THREADS
+    if (want) {
+        XXH3_state_t st;
+        XXH3_64bits_reset(&st);
+        for (Py_ssize_t p = 0; p < nbytes; p += FCK_COPY_STEP) {
+            Py_ssize_t n = nbytes - p < FCK_COPY_STEP ? nbytes - p : FCK_COPY_STEP;
+            memcpy(dst + p, s + p, (size_t)n);
+            fck_update(&st, dst + p, (size_t)n);
+        }
+        h = XXH3_64bits_digest(&st);
+    } else if (nbytes) {
+        memcpy(dst, s, (size_t)nbytes);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (!want) Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+/* ------------------------------------------------------------------------ */
 
 /* Testing aid: force the portable (SSE2) kernels, or go back to AVX2 when the CPU has it. */
 static PyObject *py_set_hash_impl(PyObject *self, PyObject *arg) {
@@ -695,6 +753,7 @@ static PyMethodDef methods[] = {
     {"write_file", (PyCFunction)(void (*)(void))py_write_file, METH_VARARGS | METH_KEYWORDS, write_file_doc},
     {"read_into", (PyCFunction)(void (*)(void))py_read_into, METH_VARARGS | METH_KEYWORDS, read_into_doc},
     {"hash", py_hash, METH_VARARGS, hash_doc},
+    {"copy_hash", (PyCFunction)(void (*)(void))py_copy_hash, METH_VARARGS | METH_KEYWORDS, copy_hash_doc},
     {NULL, NULL, 0, NULL},
 };
 

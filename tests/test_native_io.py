@@ -420,3 +420,32 @@ def test_aligned_buffer():
         assert len(b) == (n + 4095) // 4096 * 4096
         assert not b.readonly
         assert _native._address(b) % 4096 == 0 if len(b) else True
+
+
+# ------------------------------------------------------------------------------------------
+# copy_hash (staging's fused copy + checksum) and write_file(whole=False)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [0, 1, 4095, 256 * 1024 + 7, 3 * MiB + 5])
+def test_copy_hash_copies_and_hashes(backend, n):
+    import ctypes
+    src = bytearray(random.Random(n).randbytes(n) or b"\0")
+    addr = ctypes.addressof((ctypes.c_char * len(src)).from_buffer(src))
+    dst = aligned_buffer(n + 100)
+    dst[:] = b"\xee" * len(dst)
+    h = backend.copy_hash(dst, 100, addr, n)
+    assert h == xxhash.xxh3_64_intdigest(bytes(src[:n]))
+    assert bytes(dst[100:100 + n]) == bytes(src[:n])
+    assert bytes(dst[:100]) == b"\xee" * 100  # nothing outside the target range is touched
+    assert backend.copy_hash(dst, 0, addr, n, hash=False) is None
+    with pytest.raises(ValueError, match="outside buffer"):
+        backend.copy_hash(dst, len(dst) - n + 1, addr, n)
+
+
+def test_write_file_without_whole_hash(backend, tmp_path):
+    buf = aligned_buffer(3 * MiB)
+    data = fill(buf, 3 * MiB - 11)
+    h, rh = backend.write_file(str(tmp_path / "f"), buf, len(data), [(5, 1000)], whole=False)
+    assert h is None and rh == [xxhash.xxh3_64_intdigest(data[5:1005])]
+    assert read_file(tmp_path / "f") == data

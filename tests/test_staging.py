@@ -90,3 +90,30 @@ def test_state_with_only_empty_tensors(root):
     fastckpt.save(st, root, step=1)
     out = {"e": torch.ones(0, 5), "z": torch.ones(0, dtype=torch.int64), "n": 0}
     assert fastckpt.load(out, root) == 1 and out["n"] == 1 and out["e"].shape == (0, 5)
+
+
+def test_fused_staging_matches_plain_staging():
+    """stage_piece with an I/O backend (capped pool, one-off saves) copies the same bytes as the
+    torch copy and returns the chunks' xxh3, for contiguous, strided and row-split tensors."""
+    import xxhash
+
+    from fastckpt import _native
+    from fastckpt.checkpointer import _local_chunks
+    from fastckpt.staging import stage_piece
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(300, 500, generator=g),
+               "t": torch.randn(400, 300, generator=g).t(),  # strided
+               "i": torch.arange(10, dtype=torch.int16), "e": torch.empty(0)}
+    chunks, data = _local_chunks(tensors)
+    pieces = split(chunks, 200_000)  # "a" (600 kB) is split by rows
+    for be in ["python"] + (["native"] if _native.native_available() else []):
+        io = _native.get_backend("off" if be == "python" else "require")
+        for p in pieces:
+            plain, fused = _native.aligned_buffer(p.size + 64), _native.aligned_buffer(p.size + 64)
+            fused[:] = b"\xff" * len(fused)  # gaps must be zeroed, not left as they were
+            assert stage_piece(p, plain, data) is None
+            hashes = stage_piece(p, fused, data, io)
+            assert bytes(fused[:p.size]) == bytes(plain[:p.size]), be
+            assert hashes == [xxhash.xxh3_64_intdigest(bytes(plain[s.offset:s.offset + s.spec.nbytes]))
+                              for s in p.slots], be

@@ -65,9 +65,19 @@ class Storage(abc.ABC):
         """Size in bytes, or None when the file does not exist."""
 
     @abc.abstractmethod
-    def write_shard(self, path: str, buf, nbytes: int,
-                    ranges: Sequence[tuple[int, int]]) -> tuple[int, list[int]]:
-        """Write ``buf[:nbytes]`` durably to ``path``; return (file hash, hash of each range)."""
+    def write_shard(self, path: str, buf, nbytes: int, ranges: Sequence[tuple[int, int]], *,
+                    hashes: Sequence[int] | None = None, whole: bool = True,
+                    sync_dir: bool = True) -> tuple[int | None, list[int]]:
+        """Write ``buf[:nbytes]`` durably to ``path``; return (file hash, hash of each range).
+
+        ``hashes``: the ranges' hashes, already computed (staging fuses them into its copy), so
+        the bytes are not read again; ``whole=False``: no file hash (None). ``sync_dir=False``:
+        the file is durable but its directory entry is not, until :meth:`sync_dir`.
+        """
+
+    def sync_dir(self, path: str) -> None:
+        """Make the entries of the files written in directory ``path`` durable (no-op where
+        writes are durable on return, as on object stores)."""
 
     @abc.abstractmethod
     def read_into(self, path: str, offset: int, buf, nbytes: int) -> int:

@@ -90,19 +90,23 @@ class FsspecStorage(Storage):
         except Exception as e:
             raise storage_error(e, "stat", self.display(path)) from e
 
-    def write_shard(self, path: str, buf, nbytes: int,
-                    ranges: Sequence[tuple[int, int]]) -> tuple[int, list[int]]:
+    def write_shard(self, path: str, buf, nbytes: int, ranges: Sequence[tuple[int, int]], *,
+                    hashes: Sequence[int] | None = None, whole: bool = True,
+                    sync_dir: bool = True) -> tuple[int | None, list[int]]:
         mv = memoryview(buf).cast("B")[:nbytes]
         if len(mv) != nbytes:
             raise ValueError(f"buffer holds {len(mv)} bytes, asked to write {nbytes}")
-        h = xxhash.xxh3_64()
+        if hashes is not None and len(hashes) != len(ranges):
+            raise ValueError(f"{len(hashes)} hashes given for {len(ranges)} ranges")
+        h = xxhash.xxh3_64() if whole else None
         f = None
         pos = 0
         try:
             f = self.fs.open(path, "wb", block_size=_CHUNK)
             while pos < nbytes:
                 piece = mv[pos:pos + _CHUNK]
-                h.update(piece)
+                if h is not None:
+                    h.update(piece)
                 f.write(piece)
                 pos += len(piece)
             f.close()  # the commit: completes the multipart upload / PUTs a small object
@@ -112,7 +116,9 @@ class FsspecStorage(Storage):
             if not isinstance(e, Exception):
                 raise
             raise storage_error(e, "writing the shard", self.display(path), offset=pos) from e
-        return h.intdigest(), [self.io.hash(mv[o:o + n], n) for o, n in ranges]
+        if hashes is None:
+            hashes = [self.io.hash(mv[o:o + n], n) for o, n in ranges]
+        return (h.intdigest() if h is not None else None), list(hashes)
 
     def _abandon(self, f, path: str) -> None:
         """Throw away a failed upload without committing it (see the module docstring)."""

@@ -63,14 +63,25 @@ class LocalStorage(Storage):
         except OSError as e:
             raise storage_error(e, "stat", path) from e
 
-    def write_shard(self, path: str, buf, nbytes: int,
-                    ranges: Sequence[tuple[int, int]]) -> tuple[int, list[int]]:
+    def write_shard(self, path: str, buf, nbytes: int, ranges: Sequence[tuple[int, int]], *,
+                    hashes: Sequence[int] | None = None, whole: bool = True,
+                    sync_dir: bool = True) -> tuple[int | None, list[int]]:
+        if hashes is not None and len(hashes) != len(ranges):
+            raise ValueError(f"{len(hashes)} hashes given for {len(ranges)} ranges")
         try:
-            out = self.io.write_file(path, buf, nbytes, ranges, direct=self.direct_io, fsync=True)
-            _fsync_dir(os.path.dirname(path))
-            return out
+            fh, rh = self.io.write_file(path, buf, nbytes, [] if hashes is not None else ranges,
+                                        direct=self.direct_io, fsync=True, whole=whole)
+            if sync_dir:
+                _fsync_dir(os.path.dirname(path))
+            return fh, list(hashes) if hashes is not None else rh
         except OSError as e:
             raise storage_error(e, "writing the shard", path) from e
+
+    def sync_dir(self, path: str) -> None:
+        try:
+            _fsync_dir(path)
+        except OSError as e:
+            raise storage_error(e, "syncing the directory", path) from e
 
     def read_into(self, path: str, offset: int, buf, nbytes: int) -> int:
         try:
