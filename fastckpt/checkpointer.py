@@ -49,7 +49,7 @@ from .errors import FastCkptError, UnsupportedStateError
 from .options import CheckpointOptions, options_from_env
 from .reader import FastCkptReader, find_step
 from .retention import apply_retention
-from .staging import StagingPool, piece_bytes, split, stage_piece
+from .staging import StagingPool, first_piece_bytes, piece_bytes, split, stage_piece
 from .storage import Storage, open_storage
 
 log = logging.getLogger("fastckpt")
@@ -315,7 +315,10 @@ class Checkpointer:
         plan = make_plan(gathered, self.rank, step)
         cap = self.options.staging_cap_bytes
         total = sum(c.nbytes for c in plan.my_chunks)
-        plan = dataclasses.replace(plan, pieces=tuple(split(plan.my_chunks, piece_bytes(total, cap))))
+        limit = piece_bytes(total, cap)
+        plan = dataclasses.replace(plan, pieces=tuple(split(
+            plan.my_chunks, limit, first=first_piece_bytes(limit) if self._pool.will_cap(
+                total, cap) else None)))
         self._pool.prepare([p.size for p in plan.pieces], cap)
         step_dir = self.storage.join(fmt.step_dirname(step))
         handle = SaveHandle(step, step_dir)
@@ -534,7 +537,9 @@ class Checkpointer:
         _faults.point("after_manifest", self.rank)
         # after the commit point: hints and housekeeping, none of which can undo the commit
         try:
-            st.publish(st.join(fmt.LATEST), json.dumps({"step": plan.step}).encode())
+            # a hint for people and scripts (fastckpt itself lists the steps): not synced
+            st.publish(st.join(fmt.LATEST), json.dumps({"step": plan.step}).encode(),
+                       durable=False)
             keep = set(files) | {fmt.MANIFEST}
             for n in st.listdir(d):
                 if n not in keep:

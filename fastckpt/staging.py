@@ -33,6 +33,7 @@ PIECE_MAX_DEFAULT = 256 << 20
 # a capped pool holds this many pieces: two being written (the writer keeps two files in
 # flight) while the next two are copied
 CAPPED_BUFFERS = 4
+FIRST_PIECE = 16 << 20  # see first_piece_bytes
 
 
 @dataclass(frozen=True)
@@ -59,38 +60,52 @@ def piece_bytes(total: int, cap: int | None) -> int:
     return fmt.align_up(p)
 
 
-def split(chunks, limit: int) -> list[Piece]:
-    """Pack chunks (in order) into pieces of at most ``limit`` bytes; a larger chunk is split
-    along dim 0 into row ranges (each a box of the global tensor, so the manifest and DCP's
-    planner see them as ordinary chunks). A single row larger than ``limit`` gets a piece of
-    its own."""
+def first_piece_bytes(limit: int) -> int:
+    """The first piece of a streamed (capped) save: small, so the first write starts after a
+    short copy instead of a whole piece's (the copy into never-touched buffers is the slow
+    one)."""
+    return max(MIN_PIECE, min(limit, FIRST_PIECE))
+
+
+def split(chunks, limit: int, first: int | None = None) -> list[Piece]:
+    """Pack chunks (in order) into pieces of at most ``limit`` bytes (the first one at most
+    ``first`` when given); a larger chunk is split along dim 0 into row ranges (each a box of
+    the global tensor, so the manifest and DCP's planner see them as ordinary chunks). A single
+    row larger than the limit gets a piece of its own."""
     from dataclasses import replace
     slots_by_piece: list[list[tuple]] = [[]]
     used = 0
+
+    def cur_limit() -> int:
+        return first if first is not None and len(slots_by_piece) == 1 else limit
 
     def add(spec, key, row0):
         nonlocal used
         align = fmt.ALIGN if spec.nbytes >= fmt.SMALL_CHUNK else fmt.SMALL_ALIGN
         pos = fmt.align_up(used, align)
-        if slots_by_piece[-1] and pos + spec.nbytes > limit:
+        if slots_by_piece[-1] and pos + spec.nbytes > cur_limit():
             slots_by_piece.append([])
             pos = 0
         slots_by_piece[-1].append((spec, key, row0, pos))
         used = pos + spec.nbytes
 
+    def next_limit() -> int:  # the limit of the piece the next chunk will start
+        return cur_limit() if not slots_by_piece[-1] else limit
+
     for spec in chunks:
         key = (spec.fqn, spec.offsets)
-        if spec.nbytes <= limit or not spec.sizes or spec.sizes[0] <= 1:
+        if spec.nbytes <= next_limit() or not spec.sizes or spec.sizes[0] <= 1:
             add(spec, key, 0)
             continue
         rows = spec.sizes[0]
         row_bytes = spec.nbytes // rows
-        per = max(1, limit // row_bytes)
-        for r0 in range(0, rows, per):
-            n = min(per, rows - r0)
+        r0 = 0
+        while r0 < rows:
+            n = min(max(1, next_limit() // row_bytes), rows - r0)
             sub = replace(spec, offsets=(spec.offsets[0] + r0,) + tuple(spec.offsets[1:]),
                           sizes=(n,) + tuple(spec.sizes[1:]), nbytes=n * row_bytes)
             add(sub, key, r0)
+            r0 += n
     pieces = []
     for i, slots in enumerate(s for s in slots_by_piece if s):
         size = max(off + spec.nbytes for spec, _, _, off in slots)
@@ -110,6 +125,11 @@ class StagingPool:
     @property
     def nbytes(self) -> int:
         return sum(len(b) for b in self._dedicated) + sum(len(b) for b in self._shared)
+
+    @staticmethod
+    def will_cap(total: int, cap: int | None) -> bool:
+        """Whether a rank holding ``total`` bytes will stream through a capped pool."""
+        return cap is not None and total > cap
 
     def prepare(self, sizes: list[int], cap: int | None) -> None:
         """Size the pool for the next save's pieces (no save may be in flight)."""

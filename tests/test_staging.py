@@ -117,3 +117,16 @@ def test_fused_staging_matches_plain_staging():
             assert bytes(fused[:p.size]) == bytes(plain[:p.size]), be
             assert hashes == [xxhash.xxh3_64_intdigest(bytes(plain[s.offset:s.offset + s.spec.nbytes]))
                               for s in p.slots], be
+
+
+def test_split_small_first_piece_covers_every_row():
+    """A streamed save's first piece is small (the first write starts early); every row of a
+    split tensor still lands in exactly one piece."""
+    from fastckpt.checkpointer import ChunkSpec
+    big = ChunkSpec("w", "float32", (100, 1000), (0, 0), (100, 1000), 400_000, False)
+    pieces = split([big], 150_000, first=40_000)
+    assert pieces[0].size <= 40_000 and all(p.size <= 150_000 for p in pieces)
+    rows = [(s.spec.offsets[0], s.spec.sizes[0]) for p in pieces for s in p.slots]
+    assert rows[0] == (0, 10) and rows[1] == (10, 37)
+    assert sum(n for _, n in rows) == 100
+    assert all(a + n == b for (a, n), (b, _) in zip(rows, rows[1:]))

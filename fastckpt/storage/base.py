@@ -84,8 +84,9 @@ class Storage(abc.ABC):
         """Read ``nbytes`` at ``offset`` into ``buf``; return the xxh3-64 hash of them."""
 
     @abc.abstractmethod
-    def publish(self, path: str, data: bytes) -> None:
-        """Make ``data`` appear at ``path`` atomically and durably (the commit point)."""
+    def publish(self, path: str, data: bytes, *, durable: bool = True) -> None:
+        """Make ``data`` appear at ``path`` atomically and durably (the commit point).
+        ``durable=False`` (hints nobody relies on, like ``latest``): atomic, not synced."""
 
     @abc.abstractmethod
     def remove(self, path: str) -> None:

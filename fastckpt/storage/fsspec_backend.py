@@ -174,8 +174,8 @@ class FsspecStorage(Storage):
             pos += len(p)
         return h.intdigest()
 
-    def publish(self, path: str, data: bytes) -> None:
-        try:
+    def publish(self, path: str, data: bytes, *, durable: bool = True) -> None:
+        try:  # one PUT: atomic, and durable when it returns
             self.fs.pipe_file(path, bytes(data))
         except Exception as e:
             raise storage_error(e, "publishing", self.display(path)) from e

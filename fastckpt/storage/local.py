@@ -89,7 +89,7 @@ class LocalStorage(Storage):
         except (OSError, EOFError) as e:
             raise storage_error(e, "reading", path, offset=offset) from e
 
-    def publish(self, path: str, data: bytes) -> None:
+    def publish(self, path: str, data: bytes, *, durable: bool = True) -> None:
         d = os.path.dirname(path)
         tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
         try:
@@ -98,11 +98,13 @@ class LocalStorage(Storage):
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view):]
-                os.fsync(fd)
+                if durable:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
             os.replace(tmp, path)
-            _fsync_dir(d)
+            if durable:
+                _fsync_dir(d)
         except OSError as e:
             try:
                 os.unlink(tmp)
