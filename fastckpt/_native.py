@@ -203,8 +203,10 @@ class IOBackend(Protocol):
         """
         ...
 
-    def read_into(self, path: str, file_offset: int, buf, nbytes: int, *, direct: bool = True) -> int:
-        """Read exactly nbytes at file_offset into writable ``buf[0:nbytes]``; return their xxh3_64.
+    def read_into(self, path: str, file_offset: int, buf, nbytes: int, *, direct: bool = True,
+                  hash: bool = True) -> int | None:
+        """Read exactly nbytes at file_offset into writable ``buf[0:nbytes]``; return their xxh3_64
+        (None with ``hash=False``).
 
         O_DIRECT when ``direct``, buf 4096-aligned, file_offset % 4096 == 0 and
         ``len(buf) >= round_up(nbytes, 4096)`` (the slack may receive bytes past nbytes).
@@ -221,6 +223,10 @@ class IOBackend(Protocol):
         """Copy ``nbytes`` from the raw address ``src_address`` (memory the caller keeps alive
         and unchanged during the call) into ``dst[dst_offset:]``; with ``hash`` also return
         their xxh3_64, computed in the same pass (else None)."""
+        ...
+
+    def copy(self, dst_address: int, src_address: int, nbytes: int) -> None:
+        """memcpy between raw addresses (valid, non-overlapping) with the GIL released."""
         ...
 
 
@@ -247,14 +253,18 @@ class NativeBackend:
                                 self.block_size, self.depth, whole)
         return h, rh
 
-    def read_into(self, path, file_offset, buf, nbytes, *, direct=True):
-        return _ext.read_into(os.fspath(path), file_offset, buf, nbytes, direct, self.block_size, self.depth)
+    def read_into(self, path, file_offset, buf, nbytes, *, direct=True, hash=True):
+        return _ext.read_into(os.fspath(path), file_offset, buf, nbytes, direct, self.block_size,
+                              self.depth, hash)
 
     def hash(self, buf, nbytes):
         return _ext.hash(buf, nbytes)
 
     def copy_hash(self, dst, dst_offset, src_address, nbytes, *, hash=True):
         return _ext.copy_hash(dst, dst_offset, src_address, nbytes, hash)
+
+    def copy(self, dst_address, src_address, nbytes):
+        _ext.copy(dst_address, src_address, nbytes)
 
     def __repr__(self) -> str:
         return f"NativeBackend(block_size={self.block_size}, depth={self.depth})"
@@ -443,7 +453,7 @@ class PythonBackend:
 
     # -- read -----------------------------------------------------------------------------
 
-    def read_into(self, path, file_offset, buf, nbytes, *, direct=True):
+    def read_into(self, path, file_offset, buf, nbytes, *, direct=True, hash=True):
         path = os.fspath(path)
         mv = _byte_view(buf, writable=True)
         _check_nbytes(mv, nbytes)
@@ -470,7 +480,7 @@ class PythonBackend:
             if size < file_offset + nbytes:
                 raise _eof_error(path, nbytes, file_offset, size)
             if nbytes == 0:
-                return xxhash.xxh3_64_intdigest(b"")
+                return xxhash.xxh3_64_intdigest(b"") if hash else None
             io_len = _round_up(nbytes) if use_direct else nbytes
             bs = self.block_size
             job = _Job(fd, use_direct, (io_len + bs - 1) // bs)
@@ -510,7 +520,7 @@ class PythonBackend:
                         job.cv.notify_all()
 
             def main() -> None:
-                for i in range(job.nblocks):
+                for i in range(job.nblocks if hash else 0):
                     with job.cv:
                         while not job.done[i] and not job.failed:
                             job.cv.wait()
@@ -526,7 +536,7 @@ class PythonBackend:
                 if job.eof:
                     raise _eof_error(path, nbytes, file_offset, os.fstat(fd).st_size)
                 raise _os_error(job.err[0], "reading", path, job.err[1])
-            return hasher.intdigest()
+            return hasher.intdigest() if hash else None
         finally:
             os.close(fd)
 
@@ -534,6 +544,12 @@ class PythonBackend:
         mv = _byte_view(buf)
         _check_nbytes(mv, nbytes)
         return xxhash.xxh3_64_intdigest(mv[:nbytes])
+
+    def copy(self, dst_address, src_address, nbytes):
+        if nbytes < 0 or (nbytes and (not dst_address or not src_address)):
+            raise ValueError("copy: null address or negative length")
+        if nbytes:
+            ctypes.memmove(dst_address, src_address, nbytes)
 
     def copy_hash(self, dst, dst_offset, src_address, nbytes, *, hash=True):
         mv = _byte_view(dst, writable=True)

@@ -169,7 +169,14 @@ class FastCkptReader(StorageReader):
                         raise CorruptCheckpointError(
                             f"read item shape {list(src.shape)} does not fit target "
                             f"{list(target.shape)}", key=fqn, rank=self.rank)
-                    target.copy_(src)
+                    if (target.device.type == "cpu" and target.dtype == src.dtype
+                            and target.is_contiguous() and src.is_contiguous()):
+                        # one thread, GIL released (torch's copy_ leaves its OpenMP threads
+                        # spinning after every call, which cost more CPU than the copy here)
+                        self._io.copy(target.data_ptr(), src.data_ptr(),
+                                      src.numel() * src.element_size())
+                    else:
+                        target.copy_(src)
                     planner.commit_tensor(req, target)
         fut: Future[None] = Future()
         fut.set_result(None)
@@ -177,34 +184,48 @@ class FastCkptReader(StorageReader):
 
     # -- helpers -------------------------------------------------------------------------------
     def _prefetch(self, spans: list["_Span"]):
-        """Yield (span, buffer) in order while a thread reads the next spans (depth 2).
+        """Yield (span, buffer) as spans arrive, while READ_STREAMS threads read the next ones.
 
-        Three buffers of the largest span are allocated once per ``read_data`` and reused, so
-        first-touch page faults stay bounded however large the checkpoint is.
+        READ_STREAMS + 2 buffers of the largest span are allocated once per ``read_data`` and
+        reused, so first-touch page faults and the extra memory stay bounded however large the
+        checkpoint is. Spans are yielded in the order their reads finish (each read item says
+        where its bytes go, so order does not matter); two reads in flight keep the device queue
+        full across span boundaries.
         """
         if not spans:
             return
         size = fmt.align_up(max(sp.length for sp in spans))
+        nthreads = min(READ_STREAMS, len(spans))
         free: queue.Queue = queue.Queue()
-        for _ in range(min(3, len(spans))):
+        for _ in range(min(nthreads + 2, len(spans))):
             free.put(aligned_buffer(size))
         ready: queue.Queue = queue.Queue()
         stop = threading.Event()
+        todo = iter(spans)
+        todo_lock = threading.Lock()
 
         def reader() -> None:
-            for sp in spans:
+            while not stop.is_set():
                 buf = free.get()
-                if stop.is_set():
+                if buf is None or stop.is_set():
+                    return
+                with todo_lock:
+                    sp = next(todo, None)
+                if sp is None:
+                    free.put(buf)
                     return
                 try:
                     path = self._check_file(sp.file)
-                    self.storage.read_into(path, sp.start, buf, sp.length)
+                    # no hash of the whole span: each chunk is checked on its own
+                    self.storage.read_into(path, sp.start, buf, sp.length, hash=False)
                     ready.put((sp, buf, None))
                 except BaseException as e:  # noqa: BLE001 - handed to the consumer
                     ready.put((sp, buf, e))
                     return
-        t = threading.Thread(target=reader, name="fastckpt-reader", daemon=True)
-        t.start()
+        threads = [threading.Thread(target=reader, name=f"fastckpt-reader-{i}", daemon=True)
+                   for i in range(nthreads)]
+        for t in threads:
+            t.start()
         try:
             for _ in spans:
                 sp, buf, err = ready.get()
@@ -218,8 +239,10 @@ class FastCkptReader(StorageReader):
                 free.put(buf)
         finally:
             stop.set()
-            free.put(None)  # unblock the reader if it waits for a buffer
-            t.join()
+            for _ in threads:
+                free.put(None)  # unblock readers waiting for a buffer
+            for t in threads:
+                t.join()
 
     def _chunk_view(self, buf: memoryview, span: "_Span", fqn: str, c: dict) -> torch.Tensor:
         """The saved chunk as a tensor over ``buf``, after checking its checksum."""
@@ -277,8 +300,11 @@ class FastCkptReader(StorageReader):
 
 # ------------------------------------------------------------------------------------- spans
 
-#: the most bytes read in one request; three buffers of this size bound the load's extra memory
+#: the most bytes read in one request; READ_STREAMS + 2 buffers of this size bound the load's
+#: extra memory
 SPAN_MAX = 64 << 20
+#: spans read at once (each with the I/O backend's own requests in flight)
+READ_STREAMS = 2
 
 
 @dataclass

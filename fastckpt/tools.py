@@ -462,7 +462,7 @@ def _verify_file(storage: Storage, d: str, name: str, info: dict, chunks: list,
         n = min(block, readable - bstart)
         bend = bstart + n
         try:
-            storage.read_into(path, bstart, buf, n)
+            storage.read_into(path, bstart, buf, n, hash=False)  # hashed per chunk below
         except StorageError as e:
             problems.append(Problem("read", f"cannot read {n} bytes: {e}", file=name,
                                     offset=bstart, rank=rank))

@@ -523,16 +523,18 @@ out_nojob:
 /* ------------------------------------------------------------------------ */
 
 PyDoc_STRVAR(read_into_doc,
-"read_into(path, file_offset, buf, nbytes, direct=True, block_size=0, depth=0)\n"
+"read_into(path, file_offset, buf, nbytes, direct=True, block_size=0, depth=0, hash=True)\n"
 "--\n\n"
-"Read exactly nbytes at file_offset into buf[0:nbytes]; return their xxh3_64.");
+"Read exactly nbytes at file_offset into buf[0:nbytes]; return their xxh3_64 (None with\n"
+"hash=False, for callers that check smaller ranges themselves).");
 
 static PyObject *py_read_into(PyObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"path", "file_offset", "buf", "nbytes", "direct", "block_size", "depth", NULL};
+    static char *kwlist[] = {"path", "file_offset", "buf", "nbytes", "direct", "block_size", "depth", "hash",
+                             NULL};
     PyObject *pathb = NULL, *bufobj, *result = NULL;
     long long file_offset;
     Py_ssize_t nbytes, block = 0;
-    int direct = 1, depth = 0;
+    int direct = 1, depth = 0, want_hash = 1;
     Py_buffer view;
     job_t job;
     pthread_t th[FCK_MAX_DEPTH];
@@ -543,8 +545,9 @@ static PyObject *py_read_into(PyObject *self, PyObject *args, PyObject *kw) {
     long long ooff = 0, fsize = 0;
     const char *owhat = NULL;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&LOn|pni:read_into", kwlist, PyUnicode_FSConverter, &pathb,
-                                     &file_offset, &bufobj, &nbytes, &direct, &block, &depth))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&LOn|pnip:read_into", kwlist, PyUnicode_FSConverter, &pathb,
+                                     &file_offset, &bufobj, &nbytes, &direct, &block, &depth,
+                                     &want_hash))
         return NULL;
     if (PyObject_GetBuffer(bufobj, &view, PyBUF_WRITABLE) < 0) {
         Py_DECREF(pathb);
@@ -598,7 +601,9 @@ static PyObject *py_read_into(PyObject *self, PyObject *args, PyObject *kw) {
             XXH3_64bits_reset(&hs);
             if (nth == 0) {
                 worker(&job);
-                if (!job.err && !job.eof) h = hash_full(&hs, job.base, nbytes);
+                if (!job.err && !job.eof && want_hash) h = hash_full(&hs, job.base, nbytes);
+            } else if (!want_hash) {
+                join_workers(th, nth);
             } else {
                 /* fused: hash blocks in order as they land */
                 for (Py_ssize_t i = 0; i < job.nblocks; i++) {
@@ -635,6 +640,8 @@ static PyObject *py_read_into(PyObject *self, PyObject *args, PyObject *kw) {
                      file_offset, fsize);
     } else if (oerr) {
         raise_os(oerr, owhat, path, ooff, owith_off);
+    } else if (!want_hash) {
+        result = Py_NewRef(Py_None);
     } else {
         result = PyLong_FromUnsignedLongLong(h);
     }
@@ -724,6 +731,29 @@ static PyObject *py_copy_hash(PyObject *self, PyObject *args, PyObject *kw) {
     return PyLong_FromUnsignedLongLong(h);
 }
 
+PyDoc_STRVAR(copy_doc,
+"copy(dst_address, src_address, nbytes)\n--\n\n"
+"memcpy between raw addresses on one thread with the GIL released (no thread pool to spin\n"
+"afterwards).  The caller guarantees both ranges are valid and do not overlap.");
+
+static PyObject *py_copy(PyObject *self, PyObject *args) {
+    unsigned long long dst, src;
+    Py_ssize_t nbytes;
+    if (!PyArg_ParseTuple(args, "KKn:copy", &dst, &src, &nbytes)) return NULL;
+    if (nbytes < 0 || (nbytes && (!dst || !src))) {
+        PyErr_SetString(PyExc_ValueError, "copy: null address or negative length");
+        return NULL;
+    }
+    if (nbytes >= FCK_NOGIL_HASH_MIN) {
+        Py_BEGIN_ALLOW_THREADS
+        memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)nbytes);
+        Py_END_ALLOW_THREADS
+    } else if (nbytes) {
+        memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)nbytes);
+    }
+    Py_RETURN_NONE;
+}
+
 /* ------------------------------------------------------------------------ */
 
 /* Testing aid: force the portable (SSE2) kernels, or go back to AVX2 when the CPU has it. */
@@ -753,6 +783,7 @@ static PyMethodDef methods[] = {
     {"write_file", (PyCFunction)(void (*)(void))py_write_file, METH_VARARGS | METH_KEYWORDS, write_file_doc},
     {"read_into", (PyCFunction)(void (*)(void))py_read_into, METH_VARARGS | METH_KEYWORDS, read_into_doc},
     {"hash", py_hash, METH_VARARGS, hash_doc},
+    {"copy", py_copy, METH_VARARGS, copy_doc},
     {"copy_hash", (PyCFunction)(void (*)(void))py_copy_hash, METH_VARARGS | METH_KEYWORDS, copy_hash_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -449,3 +449,30 @@ def test_write_file_without_whole_hash(backend, tmp_path):
     h, rh = backend.write_file(str(tmp_path / "f"), buf, len(data), [(5, 1000)], whole=False)
     assert h is None and rh == [xxhash.xxh3_64_intdigest(data[5:1005])]
     assert read_file(tmp_path / "f") == data
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_read_into_without_hash(small_block_backend, tmp_path, direct):
+    size = 300 * 1024 + 5
+    src = aligned_buffer(size)
+    data = fill(src, size)
+    path = str(tmp_path / "f")
+    small_block_backend.write_file(path, src, size, [])
+    dst = aligned_buffer(size)
+    assert small_block_backend.read_into(path, 0, dst, size, direct=direct, hash=False) is None
+    assert bytes(dst[:size]) == data
+    with pytest.raises(EOFError):
+        small_block_backend.read_into(path, 0, aligned_buffer(size + 1), size + 1, hash=False)
+
+
+def test_copy_between_addresses(backend):
+    import ctypes
+    src = bytearray(random.Random(3).randbytes(100_000))
+    dst = bytearray(100_010)
+    a_src = ctypes.addressof((ctypes.c_char * len(src)).from_buffer(src))
+    a_dst = ctypes.addressof((ctypes.c_char * len(dst)).from_buffer(dst))
+    backend.copy(a_dst + 10, a_src, len(src))
+    assert dst[10:] == src and dst[:10] == bytearray(10)
+    backend.copy(a_dst, a_src, 0)
+    with pytest.raises(ValueError):
+        backend.copy(0, a_src, 5)

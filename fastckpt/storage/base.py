@@ -80,8 +80,10 @@ class Storage(abc.ABC):
         writes are durable on return, as on object stores)."""
 
     @abc.abstractmethod
-    def read_into(self, path: str, offset: int, buf, nbytes: int) -> int:
-        """Read ``nbytes`` at ``offset`` into ``buf``; return the xxh3-64 hash of them."""
+    def read_into(self, path: str, offset: int, buf, nbytes: int, *,
+                  hash: bool = True) -> int | None:
+        """Read ``nbytes`` at ``offset`` into ``buf``; return the xxh3-64 hash of them (None
+        with ``hash=False``: the caller checks smaller ranges itself)."""
 
     @abc.abstractmethod
     def publish(self, path: str, data: bytes, *, durable: bool = True) -> None:

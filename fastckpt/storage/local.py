@@ -83,9 +83,10 @@ class LocalStorage(Storage):
         except OSError as e:
             raise storage_error(e, "syncing the directory", path) from e
 
-    def read_into(self, path: str, offset: int, buf, nbytes: int) -> int:
+    def read_into(self, path: str, offset: int, buf, nbytes: int, *,
+                  hash: bool = True) -> int | None:
         try:
-            return self.io.read_into(path, offset, buf, nbytes, direct=self.direct_io)
+            return self.io.read_into(path, offset, buf, nbytes, direct=self.direct_io, hash=hash)
         except (OSError, EOFError) as e:
             raise storage_error(e, "reading", path, offset=offset) from e
 
