@@ -140,6 +140,13 @@ def _address(obj) -> int:
         _PyBuffer_Release(ctypes.byref(view))
 
 
+def _raw_view(address: int, nbytes: int) -> memoryview:
+    """A byte view of raw memory (no copy); empty for nbytes == 0."""
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
 def _byte_view(buf, *, writable: bool = False) -> memoryview:
     mv = buf if isinstance(buf, memoryview) else memoryview(buf)
     if not mv.c_contiguous:
@@ -229,6 +236,17 @@ class IOBackend(Protocol):
         """memcpy between raw addresses (valid, non-overlapping) with the GIL released."""
         ...
 
+    def write_segments(self, path: str, nbytes: int, segments: Sequence[tuple[int, int, int]],
+                       hash_ranges: Sequence[tuple[int, int]], *, direct: bool = True,
+                       fsync: bool = True) -> list[int]:
+        """Create/truncate ``path`` holding ``nbytes`` bytes gathered from memory: ``segments``
+        are ``(file_offset, address, length)``, in order and contiguous, covering the file (the
+        last may run on to the next 4096 boundary; the file is truncated after). O_DIRECT when
+        every offset, address and length is a multiple of 4096. Returns the xxh3_64 of each
+        ``(address, length)`` in ``hash_ranges``, computed while the requests are in flight.
+        The memory must stay valid and unchanged during the call."""
+        ...
+
 
 # --------------------------------------------------------------------------------------------
 # native backend
@@ -265,6 +283,10 @@ class NativeBackend:
 
     def copy(self, dst_address, src_address, nbytes):
         _ext.copy(dst_address, src_address, nbytes)
+
+    def write_segments(self, path, nbytes, segments, hash_ranges, *, direct=True, fsync=True):
+        return _ext.write_segments(os.fspath(path), nbytes, segments, hash_ranges, direct, fsync,
+                                   self.block_size, self.depth)
 
     def __repr__(self) -> str:
         return f"NativeBackend(block_size={self.block_size}, depth={self.depth})"
@@ -544,6 +566,93 @@ class PythonBackend:
         mv = _byte_view(buf)
         _check_nbytes(mv, nbytes)
         return xxhash.xxh3_64_intdigest(mv[:nbytes])
+
+    def write_segments(self, path, nbytes, segments, hash_ranges, *, direct=True, fsync=True):
+        path = os.fspath(path)
+        if nbytes < 0:
+            raise ValueError("nbytes must be >= 0")
+        end, aligned, reqs, bs = 0, True, [], self.block_size
+        for i, (off, addr, ln) in enumerate(segments):
+            if off != end or ln < 0 or (ln and not addr):
+                raise ValueError(f"segment {i} (offset {off}, length {ln}) does not continue the "
+                                 f"previous one at {end}")
+            end = off + ln
+            aligned = aligned and not (off % ALIGN or addr % ALIGN or ln % ALIGN)
+            reqs += [(off + k, addr + k, min(bs, ln - k)) for k in range(0, ln, bs)]
+        if end < nbytes or end > _round_up(nbytes):
+            raise ValueError(f"segments cover {end} bytes, the file has {nbytes}")
+        for addr, ln in hash_ranges:
+            if ln < 0 or (ln and not addr):
+                raise ValueError("hash range with a null address or negative length")
+        use_direct = bool(direct and _O_DIRECT and aligned and nbytes > 0)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC
+        fd = -1
+        if use_direct:
+            try:
+                fd = os.open(path, flags | _O_DIRECT, 0o644)
+            except OSError as e:
+                if e.errno != _errno.EINVAL:
+                    raise _os_error(e.errno, "opening", path) from None
+                use_direct = False
+        if fd < 0:
+            try:
+                fd = os.open(path, flags, 0o644)
+            except OSError as e:
+                raise _os_error(e.errno, "opening", path) from None
+        try:
+            if nbytes > 0:
+                try:
+                    os.posix_fallocate(fd, 0, nbytes)
+                except OSError as e:
+                    if e.errno not in (_errno.EOPNOTSUPP, _errno.ENOSYS, _errno.EINVAL):
+                        raise _os_error(e.errno, "preallocating", path, 0) from None
+            job = _Job(fd, use_direct, len(reqs))
+            out: list = []
+
+            def worker() -> None:
+                while not job.failed:
+                    i = next(job.next)
+                    if i >= job.nblocks:
+                        return
+                    off, addr, ln = reqs[i]
+                    view = _raw_view(addr, ln)
+                    retried = False
+                    while view:
+                        try:
+                            n = os.pwrite(fd, view, off)
+                        except OSError as e:
+                            if e.errno == _errno.EINVAL and job.direct and not retried:
+                                retried = True
+                                if job.drop_direct():
+                                    continue
+                            job.fail(e.errno, off)
+                            return
+                        if n == 0:
+                            job.fail(_errno.EIO, off)
+                            return
+                        view = view[n:]
+                        off += n
+
+            def main() -> None:
+                h = xxhash.xxh3_64_intdigest
+                out.extend(h(_raw_view(a, ln)) for a, ln in hash_ranges)
+
+            self._run(job, worker, main)
+            if job.err is not None:
+                raise _os_error(job.err[0], "writing", path, job.err[1])
+            if end != nbytes:
+                try:
+                    os.ftruncate(fd, nbytes)
+                except OSError as e:
+                    raise _os_error(e.errno, "truncating", path, nbytes) from None
+            if fsync:
+                try:
+                    os.fsync(fd)
+                except OSError as e:
+                    raise _os_error(e.errno, "syncing", path) from None
+        finally:
+            os.close(fd)
+        return out
 
     def copy(self, dst_address, src_address, nbytes):
         if nbytes < 0 or (nbytes and (not dst_address or not src_address)):

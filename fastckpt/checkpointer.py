@@ -49,7 +49,8 @@ from .errors import FastCkptError, UnsupportedStateError
 from .options import CheckpointOptions, options_from_env
 from .reader import FastCkptReader, find_step
 from .retention import apply_retention
-from .staging import StagingPool, first_piece_bytes, piece_bytes, split, stage_piece
+from .staging import (Gathered, StagingPool, first_piece_bytes, gather_piece, piece_bytes,
+                      split, stage_piece)
 from .storage import Storage, open_storage
 
 log = logging.getLogger("fastckpt")
@@ -315,11 +316,20 @@ class Checkpointer:
         plan = make_plan(gathered, self.rank, step)
         cap = self.options.staging_cap_bytes
         total = sum(c.nbytes for c in plan.my_chunks)
-        limit = piece_bytes(total, cap)
-        plan = dataclasses.replace(plan, pieces=tuple(split(
-            plan.my_chunks, limit, first=first_piece_bytes(limit) if self._pool.will_cap(
-                total, cap) else None)))
-        self._pool.prepare([p.size for p in plan.pieces], cap)
+        # a blocking save on a local file system is written straight from the tensors (the
+        # caller does not touch them until it returns): no staging copy, no staging memory
+        zero_copy = block and self.options.zero_copy and self.storage.gathered_writes
+        if zero_copy:
+            phase = {k: t.data_ptr() % fmt.ALIGN for k, t in data.items()
+                     if t.device.type == "cpu" and t.is_contiguous() and t.nbytes >= fmt.SMALL_CHUNK}
+            pieces = split(plan.my_chunks, piece_bytes(total, None), phase=phase)
+        else:
+            limit = piece_bytes(total, cap)
+            pieces = split(plan.my_chunks, limit, first=first_piece_bytes(limit)
+                           if self._pool.will_cap(total, cap) else None)
+        plan = dataclasses.replace(plan, pieces=tuple(pieces))
+        if not zero_copy:
+            self._pool.prepare([p.size for p in plan.pieces], cap)
         step_dir = self.storage.join(fmt.step_dirname(step))
         handle = SaveHandle(step, step_dir)
         job = _Job(plan, handle, step_dir, user_meta=dict(user_meta or {}), t0=t0,
@@ -330,6 +340,14 @@ class Checkpointer:
         self._queue.put(job)  # the writer starts on each piece as soon as it is staged
         t1 = time.perf_counter()
         try:
+            if zero_copy:  # gather piece i+1 (edge pages, small tensors) while i is written
+                for piece in plan.pieces:
+                    job.pieces.put((piece, gather_piece(piece, data, self.storage.io), None))
+                handle.timings["plan_s"] = t1 - t0
+                _faults.point("after_stage", self.rank)
+                handle.wait()  # the tensors are read until the shards are written
+                handle._staged.set()
+                return handle
             staged = []
             capped = self._pool.capped
             io = self.storage.io if capped else None
@@ -494,18 +512,22 @@ class Checkpointer:
         alignment padding (zero), which is what ``verify`` checks."""
         name = fmt.shard_name(self.rank, plan.save_id, piece.index)
         path = f"{d}/{name}"
+        gathered = isinstance(buf, Gathered)
         if piece.index == 0 and _faults.armed("mid_shard_write", self.rank):
             with open(path, "wb") as f:
-                f.write(buf[:piece.size // 2])
+                f.write(bytes(piece.size // 2) if gathered else buf[:piece.size // 2])
                 f.flush()
                 os.fsync(f.fileno())
             _faults.point("mid_shard_write", self.rank)
         ranges = [(s.offset, s.spec.nbytes) for s in piece.slots]
-        try:
-            _, hashes = self.storage.write_shard(path, buf, piece.size, ranges, hashes=hashes,
-                                                 whole=False, sync_dir=False)
-        finally:
-            self._pool.release(buf)
+        if gathered:  # zero-copy: from the tensors' memory and a small bounce buffer
+            hashes = self.storage.write_gathered(path, piece.size, buf.segments, buf.hash_ranges)
+        else:
+            try:
+                _, hashes = self.storage.write_shard(path, buf, piece.size, ranges,
+                                                     hashes=hashes, whole=False, sync_dir=False)
+            finally:
+                self._pool.release(buf)
         chunks = [{"fqn": s.spec.fqn, "offsets": list(s.spec.offsets),
                    "sizes": list(s.spec.sizes), "offset": s.offset, "length": s.spec.nbytes,
                    "checksum": fmt.hexdigest(h)} for s, h in zip(piece.slots, hashes)]
@@ -688,13 +710,13 @@ def save(state: dict, path: str | os.PathLike, *, step: int, on_preempt: bool = 
         if ck is None or ck._closed:
             ck = _ON_PREEMPT[str(path)] = Checkpointer(path, preempt=True, **options)
         return ck.save(state, step=step, on_preempt=True)
-    # nothing is reused after a one-off save: stream through two buffers rather than stage the
-    # whole state into fresh memory first (first-touch page faults cost as much as the write)
+    # a blocking save: on a local file system it is written straight from the tensors; where
+    # it must be staged (object stores, zero_copy=False), nothing is reused after a one-off
+    # save, so it streams through a few buffers rather than stage the whole state into fresh
+    # memory first (first-touch page faults cost as much as the write)
     options.setdefault("staging_cap_bytes", ONE_SHOT_STAGING_CAP)
     with Checkpointer(path, **options) as ck:
-        handle = ck.save(state, step=step)
-        handle.wait()
-    return handle
+        return ck.save(state, step=step, block=True)
 
 
 def load(state: dict, path: str | os.PathLike, *, step: int | None = None,

@@ -14,6 +14,9 @@ class CheckpointOptions:
     commit_timeout_s: the deadline for all ranks to report and for the commit decision.
     native: "auto" (native I/O if built), "require" (fail if not built), "off" (pure Python).
     direct_io: use O_DIRECT for local shard files when the file system supports it.
+    zero_copy: blocking saves (``save(..., block=True)``, one-off ``fastckpt.save``) on a local
+        file system write each large contiguous CPU tensor straight from its memory, without
+        staging it (no copy, no staging memory); False stages them like an async save.
     verify: check every chunk's checksum on load.
     staging_cap_bytes: host memory the staging buffers may use (None: as much as the rank's
         state, allocated once and reused; ``save`` then stalls for one memcpy). Above the cap the
@@ -43,6 +46,7 @@ class CheckpointOptions:
     commit_timeout_s: float = 600.0
     native: str = "auto"
     direct_io: bool = True
+    zero_copy: bool = True
     verify: bool = True
     strict: bool = True
     staging_cap_bytes: int | None = None
@@ -93,7 +97,8 @@ def options_from_env(base: CheckpointOptions | None = None,
                      environ: dict | None = None) -> CheckpointOptions:
     """Apply FASTCKPT_* environment variables on top of ``base``.
 
-    FASTCKPT_NATIVE=auto|require|off, FASTCKPT_DIRECT_IO=0|1, FASTCKPT_COMMIT_TIMEOUT_S=seconds,
+    FASTCKPT_NATIVE=auto|require|off, FASTCKPT_DIRECT_IO=0|1, FASTCKPT_ZERO_COPY=0|1,
+    FASTCKPT_COMMIT_TIMEOUT_S=seconds,
     FASTCKPT_GRACE_S=seconds, FASTCKPT_PREEMPT_SIGNALS=SIGTERM,SIGUSR1, FASTCKPT_EVENT_LOG=dir.
     """
     env = os.environ if environ is None else environ
@@ -103,6 +108,8 @@ def options_from_env(base: CheckpointOptions | None = None,
         changes["native"] = env["FASTCKPT_NATIVE"].strip().lower()
     if "FASTCKPT_DIRECT_IO" in env:
         changes["direct_io"] = env["FASTCKPT_DIRECT_IO"].strip() not in ("0", "false", "no", "")
+    if "FASTCKPT_ZERO_COPY" in env:
+        changes["zero_copy"] = env["FASTCKPT_ZERO_COPY"].strip() not in ("0", "false", "no", "")
     if "FASTCKPT_GRACE_S" in env:
         changes["grace_s"] = float(env["FASTCKPT_GRACE_S"])
     if "FASTCKPT_PREEMPT_SIGNALS" in env:

@@ -19,13 +19,14 @@ Thread-safety: ``StagingPool`` is used by one training thread (acquire) and one 
 
 from __future__ import annotations
 
+import bisect
 import queue
 from dataclasses import dataclass
 
 import torch
 
 from . import format as fmt
-from ._native import aligned_buffer
+from ._native import _address, aligned_buffer
 
 MIN_PIECE = 1 << 20
 PIECE_MIN_DEFAULT = 64 << 20
@@ -67,11 +68,17 @@ def first_piece_bytes(limit: int) -> int:
     return max(MIN_PIECE, min(limit, FIRST_PIECE))
 
 
-def split(chunks, limit: int, first: int | None = None) -> list[Piece]:
+def split(chunks, limit: int, first: int | None = None,
+          phase: dict | None = None) -> list[Piece]:
     """Pack chunks (in order) into pieces of at most ``limit`` bytes (the first one at most
     ``first`` when given); a larger chunk is split along dim 0 into row ranges (each a box of
     the global tensor, so the manifest and DCP's planner see them as ordinary chunks). A single
-    row larger than the limit gets a piece of its own."""
+    row larger than the limit gets a piece of its own.
+
+    ``phase`` (zero-copy saves): key -> the address of the rank's tensor modulo 4096, for the
+    tensors written straight from their memory. Such a chunk is placed at a file offset with the
+    same remainder, so all of it but its first and last partial pages can go to the file with
+    O_DIRECT from where it lies (:func:`gather_piece`)."""
     from dataclasses import replace
     slots_by_piece: list[list[tuple]] = [[]]
     used = 0
@@ -82,10 +89,13 @@ def split(chunks, limit: int, first: int | None = None) -> list[Piece]:
     def add(spec, key, row0):
         nonlocal used
         align = fmt.ALIGN if spec.nbytes >= fmt.SMALL_CHUNK else fmt.SMALL_ALIGN
-        pos = fmt.align_up(used, align)
+        ph = 0
+        if phase is not None and key in phase and spec.nbytes >= fmt.SMALL_CHUNK:
+            ph = (phase[key] + row0 * (spec.nbytes // max(1, spec.sizes[0]))) % fmt.ALIGN
+        pos = fmt.align_up(used, align) + ph
         if slots_by_piece[-1] and pos + spec.nbytes > cur_limit():
             slots_by_piece.append([])
-            pos = 0
+            pos = ph
         slots_by_piece[-1].append((spec, key, row0, pos))
         used = pos + spec.nbytes
 
@@ -164,8 +174,8 @@ class StagingPool:
             return self._dedicated[index]
         return self._free.get()
 
-    def release(self, buf: memoryview) -> None:
-        if self.capped:
+    def release(self, buf) -> None:
+        if self.capped and isinstance(buf, memoryview):  # not a zero-copy save's Gathered
             self._free.put(buf)
 
 
@@ -206,3 +216,83 @@ def stage_piece(piece: Piece, buf: memoryview, data: dict, io=None) -> list[int]
             hashes.append(io.hash(buf[slot.offset:slot.offset + n], n))
         pos = slot.offset + n
     return hashes
+
+
+@dataclass
+class Gathered:
+    """A piece of a zero-copy save: where each part of its file comes from."""
+    segments: list  # (file_offset, address, length): tensor memory or the bounce buffer
+    hash_ranges: list  # (address, length) of each slot's bytes, in slot order
+    bounce: memoryview  # holds gaps, small/strided/GPU chunks and the big ones' edge pages
+    direct_bytes: int  # bytes written straight from tensor memory
+
+
+def _slot_source(slot: Slot, data: dict):
+    src = data[slot.key]
+    if slot.row0 or src.shape[:1] != slot.spec.sizes[:1]:
+        src = src.narrow(0, slot.row0, slot.spec.sizes[0])
+    return src
+
+
+def gather_piece(piece: Piece, data: dict, io) -> Gathered:
+    """Plan a piece's file for :meth:`write_segments` without staging it: the page-aligned body
+    of every chunk placed in phase with its memory (see :func:`split`) is written from the
+    tensor itself; the rest of the file (gaps, small, strided or GPU chunks, the partial first
+    and last pages of the big ones) is copied into one small page-aligned bounce buffer."""
+    A = fmt.ALIGN
+    io_len = fmt.align_up(piece.size)
+    bodies = []  # (file_lo, file_hi, address of file_lo)
+    srcs = []
+    for slot in piece.slots:
+        n = slot.spec.nbytes
+        src = _slot_source(slot, data) if n else None
+        srcs.append(src)
+        if not n or src.device.type != "cpu" or not src.is_contiguous():
+            continue
+        addr = src.data_ptr()
+        lo, hi = fmt.align_up(slot.offset), (slot.offset + n) // A * A
+        if (addr - slot.offset) % A == 0 and hi - lo >= A:
+            bodies.append((lo, hi, addr + (lo - slot.offset)))
+    # the bounce regions: the file minus the bodies, each mapped to a place in `bounce`
+    regions, pos = [], 0  # (file_lo, file_hi, bounce_offset)
+    boff = 0
+    for lo, hi, _ in bodies + [(io_len, io_len, 0)]:
+        if lo > pos:
+            regions.append((pos, lo, boff))
+            boff += lo - pos
+        pos = hi
+    bounce = aligned_buffer(boff)
+    base = _address(bounce) if boff else 0
+
+    starts = [lo for lo, _, _ in regions]
+
+    def overlaps(a: int, z: int):  # (file_lo, file_hi, bounce offset) of [a, z) in the regions
+        i = max(0, bisect.bisect_right(starts, a) - 1)
+        while i < len(regions) and regions[i][0] < z:
+            lo, hi, b = regions[i]
+            x, y = max(lo, a), min(hi, z)
+            if y > x:
+                yield x, y, b + (x - lo)
+            i += 1
+
+    hash_ranges = []
+    dst = torch.frombuffer(bounce, dtype=torch.uint8, count=boff) if boff else None
+    for slot, src in zip(piece.slots, srcs):
+        n = slot.spec.nbytes
+        if not n:
+            hash_ranges.append((0, 0))
+            continue
+        if src.device.type == "cpu" and src.is_contiguous():
+            addr = src.data_ptr()
+            hash_ranges.append((addr, n))
+            # copy the parts of the slot that fall in bounce regions (a region never splits
+            # inside a body, so each overlap is one contiguous run)
+            for a, z, at in overlaps(slot.offset, slot.offset + n):
+                io.copy(base + at, addr + (a - slot.offset), z - a)
+        else:  # no body: the whole slot lies in one region
+            (_, _, at), = overlaps(slot.offset, slot.offset + n)
+            dst[at:at + n].copy_(src.contiguous().reshape(-1).view(torch.uint8))
+            hash_ranges.append((base + at, n))
+    segments = sorted([(lo, base + b, hi - lo) for lo, hi, b in regions]
+                      + [(lo, addr, hi - lo) for lo, hi, addr in bodies])
+    return Gathered(segments, hash_ranges, bounce, sum(hi - lo for lo, hi, _ in bodies))

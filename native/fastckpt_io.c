@@ -114,7 +114,15 @@ typedef struct {
     long long err_off;     /* file offset of the first error */
     const char *err_what;  /* "writing", "reading" */
     int eof;               /* read hit EOF before nbytes arrived */
+    const struct req *reqs; /* write_segments: the requests (nblocks of them), else NULL */
 } job_t;
+
+/* One write request of write_segments: len bytes at address p to file offset off. */
+typedef struct req {
+    long long off;
+    const char *p;
+    Py_ssize_t len;
+} req_t;
 
 static void job_fail(job_t *j, int err, long long off, const char *what, int eof) {
     pthread_mutex_lock(&j->mu);
@@ -145,13 +153,12 @@ static int drop_direct(job_t *j) {
     return ok;
 }
 
-/* Write base[off:off+len] at file position off; returns 0 or sets error. */
-static int write_block(job_t *j, Py_ssize_t off, Py_ssize_t len) {
+/* Write p[0:len] at file position foff; returns 0 or sets error. */
+static int pwrite_all(job_t *j, const char *p, Py_ssize_t len, long long foff) {
     Py_ssize_t done = 0;
     int retried_direct = 0;
     while (done < len) {
-        ssize_t r = pwrite(j->fd, j->base + off + done, (size_t)(len - done),
-                           (off_t)(j->file_offset + off + done));
+        ssize_t r = pwrite(j->fd, p + done, (size_t)(len - done), (off_t)(foff + done));
         if (r < 0) {
             if (errno == EINTR) continue;
             if (errno == EINVAL && !retried_direct && __atomic_load_n(&j->direct, __ATOMIC_ACQUIRE)) {
@@ -160,16 +167,21 @@ static int write_block(job_t *j, Py_ssize_t off, Py_ssize_t len) {
                 if (drop_direct(j)) continue;
                 errno = e;
             }
-            job_fail(j, errno, j->file_offset + off + done, "writing", 0);
+            job_fail(j, errno, foff + done, "writing", 0);
             return -1;
         }
         if (r == 0) {
-            job_fail(j, EIO, j->file_offset + off + done, "writing", 0);
+            job_fail(j, EIO, foff + done, "writing", 0);
             return -1;
         }
         done += r;
     }
     return 0;
+}
+
+/* Write base[off:off+len] at file position off; returns 0 or sets error. */
+static int write_block(job_t *j, Py_ssize_t off, Py_ssize_t len) {
+    return pwrite_all(j, j->base + off, len, j->file_offset + off);
 }
 
 /* Read into base[off:off+len]; at least `need` bytes must arrive. */
@@ -208,6 +220,10 @@ static void *worker(void *arg) {
         if (__atomic_load_n(&j->stop, __ATOMIC_ACQUIRE)) break;
         Py_ssize_t i = __atomic_fetch_add(&j->next, 1, __ATOMIC_ACQ_REL);
         if (i >= j->nblocks) break;
+        if (j->reqs) {
+            if (pwrite_all(j, j->reqs[i].p, j->reqs[i].len, j->reqs[i].off)) break;
+            continue;
+        }
         Py_ssize_t off = i * j->block;
         Py_ssize_t len = j->io_len - off;
         if (len > j->block) len = j->block;
@@ -519,6 +535,194 @@ out_nojob:
 }
 
 /* ------------------------------------------------------------------------ */
+/* write_segments: a shard written straight from the tensors' memory         */
+/* ------------------------------------------------------------------------ */
+
+PyDoc_STRVAR(write_segments_doc,
+"write_segments(path, nbytes, segments, hash_ranges, direct=True, fsync=True, block_size=0, depth=0)\n"
+"--\n\n"
+"Create/truncate path, 'nbytes' long, from segments: (file_offset, address, length) triples,\n"
+"sorted and non-overlapping, that together cover the file (the last one may run past nbytes\n"
+"to the next 4096 boundary: the file is truncated after).  O_DIRECT is used when every\n"
+"offset, address and length is a multiple of 4096.  hash_ranges: (address, length) pairs\n"
+"hashed (xxh3_64) on this thread while the workers write; returns their hashes.  The caller\n"
+"guarantees that every address stays valid and unchanged during the call.");
+
+static int parse_triples(PyObject *o, long long (**out)[3], Py_ssize_t *nout, int width, const char *what) {
+    PyObject *seq = PySequence_Fast(o, what);
+    if (!seq) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    long long (*a)[3] = n ? PyMem_Calloc((size_t)n, sizeof(*a)) : NULL;
+    if (n && !a) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = PySequence_Fast(PySequence_Fast_GET_ITEM(seq, i), what);
+        if (!t) goto fail;
+        if (PySequence_Fast_GET_SIZE(t) != width) {
+            Py_DECREF(t);
+            PyErr_SetString(PyExc_ValueError, what);
+            goto fail;
+        }
+        for (int k = 0; k < width; k++) {
+            PyObject *v = PySequence_Fast_GET_ITEM(t, k);
+            a[i][k] = (long long)PyLong_AsUnsignedLongLong(v);
+            if (PyErr_Occurred()) {
+                Py_DECREF(t);
+                goto fail;
+            }
+        }
+        Py_DECREF(t);
+    }
+    Py_DECREF(seq);
+    *out = a;
+    *nout = n;
+    return 0;
+fail:
+    Py_DECREF(seq);
+    PyMem_Free(a);
+    return -1;
+}
+
+static PyObject *py_write_segments(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"path", "nbytes", "segments", "hash_ranges", "direct", "fsync", "block_size",
+                             "depth", NULL};
+    PyObject *pathb = NULL, *segs_o, *hr_o, *result = NULL, *lst = NULL;
+    Py_ssize_t nbytes, block = 0, nseg = 0, nhr = 0, nreq = 0;
+    int direct = 1, do_fsync = 1, depth = 0, nth = 0;
+    long long (*segs)[3] = NULL, (*hr)[3] = NULL;
+    req_t *reqs = NULL;
+    uint64_t *hashes = NULL;
+    pthread_t th[FCK_MAX_DEPTH];
+    job_t job;
+    int oerr = 0, owith_off = 1, have_job = 0;
+    long long ooff = 0, end = 0;
+    const char *owhat = NULL;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&nOO|ppni:write_segments", kwlist, PyUnicode_FSConverter,
+                                     &pathb, &nbytes, &segs_o, &hr_o, &direct, &do_fsync, &block, &depth))
+        return NULL;
+    const char *path = PyBytes_AS_STRING(pathb);
+    if (check_tuning(&block, &depth) ||
+        parse_triples(segs_o, &segs, &nseg, 3, "segments must be (file_offset, address, length) triples") ||
+        parse_triples(hr_o, &hr, &nhr, 2, "hash_ranges must be (address, length) pairs"))
+        goto out;
+    if (nbytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "nbytes must be >= 0");
+        goto out;
+    }
+    int aligned = 1;
+    for (Py_ssize_t i = 0; i < nseg; i++) {
+        long long off = segs[i][0], addr = segs[i][1], len = segs[i][2];
+        if (off != end || len < 0 || (len && !addr)) {
+            PyErr_Format(PyExc_ValueError, "segment %zd (offset %lld, length %lld) does not continue the "
+                         "previous one at %lld", i, off, len, end);
+            goto out;
+        }
+        end = off + len;
+        if (off % FCK_ALIGN || addr % FCK_ALIGN || len % FCK_ALIGN) aligned = 0;
+        nreq += (Py_ssize_t)((len + block - 1) / block);
+    }
+    if (end < nbytes || end > round_up(nbytes, FCK_ALIGN)) {
+        PyErr_Format(PyExc_ValueError, "segments cover %lld bytes, the file has %zd", end, nbytes);
+        goto out;
+    }
+    for (Py_ssize_t i = 0; i < nhr; i++)
+        if (hr[i][1] < 0 || (hr[i][1] && !hr[i][0])) {
+            PyErr_SetString(PyExc_ValueError, "hash range with a null address or negative length");
+            goto out;
+        }
+    reqs = nreq ? PyMem_Calloc((size_t)nreq, sizeof(req_t)) : NULL;
+    hashes = nhr ? PyMem_Calloc((size_t)nhr, sizeof(uint64_t)) : NULL;
+    if ((nreq && !reqs) || (nhr && !hashes)) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    nreq = 0;
+    for (Py_ssize_t i = 0; i < nseg; i++)
+        for (long long k = 0; k < segs[i][2]; k += block) {
+            long long len = segs[i][2] - k < block ? segs[i][2] - k : block;
+            reqs[nreq].off = segs[i][0] + k;
+            reqs[nreq].p = (const char *)(uintptr_t)(segs[i][1] + k);
+            reqs[nreq].len = (Py_ssize_t)len;
+            nreq++;
+        }
+    if (job_init(&job)) {
+        PyErr_SetString(PyExc_RuntimeError, "pthread init failed");
+        goto out;
+    }
+    have_job = 1;
+    int use_direct = direct && aligned && nbytes > 0;
+
+    Py_BEGIN_ALLOW_THREADS
+    int fd = -1;
+    if (use_direct) {
+        fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644);
+        if (fd < 0 && errno == EINVAL) use_direct = 0;
+    }
+    if (fd < 0 && !use_direct) fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        oerr = errno; owhat = "opening"; owith_off = 0;
+    } else {
+        job.fd = fd;
+        job.writing = 1;
+        job.reqs = reqs;
+        job.nblocks = nreq;
+        job.direct = use_direct;
+        if (nbytes > 0 && fallocate(fd, 0, 0, (off_t)nbytes) != 0 && errno != EOPNOTSUPP &&
+            errno != ENOSYS && errno != EINVAL) {
+            oerr = errno; owhat = "preallocating"; ooff = 0;
+        }
+        if (!oerr) {
+            int want = nreq > 1 ? (int)(nreq < depth ? nreq : depth) : 0;
+            nth = want ? start_threads(worker, &job, th, want) : 0;
+            if (nth == 0) worker(&job);
+            for (Py_ssize_t i = 0; i < nhr; i++)  /* the checksums, while the workers write */
+                hashes[i] = fck_h64((const void *)(uintptr_t)hr[i][0], (size_t)hr[i][1]);
+            if (nth > 0) join_workers(th, nth);
+            if (job.err) {
+                oerr = job.err; owhat = job.err_what; ooff = job.err_off;
+            }
+        }
+        if (!oerr && end != nbytes && ftruncate(fd, (off_t)nbytes) != 0) {
+            oerr = errno; owhat = "truncating"; ooff = nbytes;
+        }
+        if (!oerr && do_fsync && fsync(fd) != 0) {
+            oerr = errno; owhat = "syncing"; ooff = 0; owith_off = 0;
+        }
+        if (close(fd) != 0 && !oerr) {
+            oerr = errno; owhat = "closing"; owith_off = 0;
+        }
+    }
+    Py_END_ALLOW_THREADS
+
+    if (oerr) {
+        raise_os(oerr, owhat, path, ooff, owith_off);
+        goto out;
+    }
+    lst = PyList_New(nhr);
+    if (!lst) goto out;
+    for (Py_ssize_t i = 0; i < nhr; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(hashes[i]);
+        if (!v) goto out;
+        PyList_SET_ITEM(lst, i, v);
+    }
+    result = lst;
+    lst = NULL;
+out:
+    if (have_job) job_destroy(&job);
+    Py_XDECREF(lst);
+    PyMem_Free(reqs);
+    PyMem_Free(hashes);
+    PyMem_Free(segs);
+    PyMem_Free(hr);
+    Py_DECREF(pathb);
+    return result;
+}
+
+/* ------------------------------------------------------------------------ */
 /* read_into                                                                 */
 /* ------------------------------------------------------------------------ */
 
@@ -784,6 +988,8 @@ static PyMethodDef methods[] = {
     {"read_into", (PyCFunction)(void (*)(void))py_read_into, METH_VARARGS | METH_KEYWORDS, read_into_doc},
     {"hash", py_hash, METH_VARARGS, hash_doc},
     {"copy", py_copy, METH_VARARGS, copy_doc},
+    {"write_segments", (PyCFunction)(void (*)(void))py_write_segments, METH_VARARGS | METH_KEYWORDS,
+     write_segments_doc},
     {"copy_hash", (PyCFunction)(void (*)(void))py_copy_hash, METH_VARARGS | METH_KEYWORDS, copy_hash_doc},
     {NULL, NULL, 0, NULL},
 };

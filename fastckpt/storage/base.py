@@ -75,6 +75,14 @@ class Storage(abc.ABC):
         the file is durable but its directory entry is not, until :meth:`sync_dir`.
         """
 
+    #: whether :meth:`write_gathered` is available (zero-copy saves)
+    gathered_writes = False
+
+    def write_gathered(self, path: str, nbytes: int, segments, hash_ranges) -> list[int]:
+        """Write a shard gathered from memory (see ``IOBackend.write_segments``), durably
+        except for its directory entry (:meth:`sync_dir`); the hashes of ``hash_ranges``."""
+        raise NotImplementedError(f"{type(self).__name__} has no gathered writes")
+
     def sync_dir(self, path: str) -> None:
         """Make the entries of the files written in directory ``path`` durable (no-op where
         writes are durable on return, as on object stores)."""

@@ -77,6 +77,15 @@ class LocalStorage(Storage):
         except OSError as e:
             raise storage_error(e, "writing the shard", path) from e
 
+    gathered_writes = True
+
+    def write_gathered(self, path: str, nbytes: int, segments, hash_ranges) -> list[int]:
+        try:
+            return self.io.write_segments(path, nbytes, segments, hash_ranges,
+                                          direct=self.direct_io, fsync=True)
+        except OSError as e:
+            raise storage_error(e, "writing the shard", path) from e
+
     def sync_dir(self, path: str) -> None:
         try:
             _fsync_dir(path)
