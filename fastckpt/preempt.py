@@ -587,7 +587,10 @@ class Preemption:
                     self.event("earlier_save_failed", step=last.step, error=str(last._exc))
                 t0 = time.monotonic()
                 self.event("save_start", step=step, est_bytes=mine["bytes"])
+                # the process exits after this save, so the state is not touched again: written
+                # straight from the tensors (no staging copy, no staging memory) where it can be
                 handle = self.ckpt.save(state, step=step, user_meta={"preempted": True},
+                                        block=self.ckpt.options.zero_copy,
                                         _deadline=self._dl(-margin / 2))
                 handle.wait(max(0.01, self._dl(-margin / 4) - time.monotonic()))
                 secs = time.monotonic() - t0
