@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from . import _dist, _faults
+from . import _device, _dist, _faults
 from . import format as fmt
 from ._native import get_backend
 from ._tree import flatten, is_dtensor, plan_load
@@ -241,6 +241,7 @@ class Checkpointer:
         self.world_size = _dist.world_size()
         self._exchange: _dist.Exchange | None = None
         self._pool = StagingPool()
+        self._stager: _device.DeviceStager | None = None  # CUDA states only
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._last: SaveHandle | None = None
@@ -318,7 +319,10 @@ class Checkpointer:
         total = sum(c.nbytes for c in plan.my_chunks)
         # a blocking save on a local file system is written straight from the tensors (the
         # caller does not touch them until it returns): no staging copy, no staging memory
-        zero_copy = block and self.options.zero_copy and self.storage.gathered_writes
+        # (device tensors must be copied to the host anyway: they go through the pinned pool)
+        stager = self._device_stager(data)
+        zero_copy = (block and self.options.zero_copy and self.storage.gathered_writes
+                     and stager is None)
         if zero_copy:
             phase = {k: t.data_ptr() % fmt.ALIGN for k, t in data.items()
                      if t.device.type == "cpu" and t.is_contiguous() and t.nbytes >= fmt.SMALL_CHUNK}
@@ -329,7 +333,7 @@ class Checkpointer:
                            if self._pool.will_cap(total, cap) else None)
         plan = dataclasses.replace(plan, pieces=tuple(pieces))
         if not zero_copy:
-            self._pool.prepare([p.size for p in plan.pieces], cap)
+            self._pool.prepare([p.size for p in plan.pieces], cap, pinner=stager)
         step_dir = self.storage.join(fmt.step_dirname(step))
         handle = SaveHandle(step, step_dir)
         job = _Job(plan, handle, step_dir, user_meta=dict(user_meta or {}), t0=t0,
@@ -342,26 +346,39 @@ class Checkpointer:
         try:
             if zero_copy:  # gather piece i+1 (edge pages, small tensors) while i is written
                 for piece in plan.pieces:
-                    job.pieces.put((piece, gather_piece(piece, data, self.storage.io), None))
+                    job.pieces.put((piece, gather_piece(piece, data, self.storage.io), None,
+                                    None))
                 handle.timings["plan_s"] = t1 - t0
                 _faults.point("after_stage", self.rank)
-                handle.wait()  # the tensors are read until the shards are written
-                handle._staged.set()
+                # the tensors are read until the shards are written. An emergency save
+                # (_deadline) returns at its deadline even so: its caller gives up and exits
+                left = None if _deadline is None else max(0.0, _deadline - time.monotonic())
+                if handle._done.wait(left):
+                    handle._staged.set()
+                    handle.wait()  # raises its failure
                 return handle
             staged = []
             capped = self._pool.capped
             io = self.storage.io if capped else None
+            if stager is not None:
+                stager.begin_save()
             for piece in plan.pieces:
                 buf = self._pool.acquire(piece.index)  # capped pool: waits for the writer
-                hashes = stage_piece(piece, buf, data, io)
-                if capped:
-                    job.pieces.put((piece, buf, hashes))  # write while the next piece is copied
+                hashes = stage_piece(piece, buf, data, io, stager)
+                # device chunks are still being copied: the writer waits for `ready`
+                ready = stager.end_piece() if stager is not None else None
+                if capped:  # write while the next piece is copied
+                    job.pieces.put((piece, buf, hashes, ready))
                 else:
-                    staged.append((piece, buf, hashes))
+                    staged.append((piece, buf, hashes, ready))
             for item in staged:  # uncapped: the copy runs alone, so the stall is one memcpy
                 job.pieces.put(item)
+            if stager is not None:  # the caller's later kernels run after the copies
+                stager.end_save()
         except BaseException as e:
-            job.pieces.put((None, e, None))  # the writer fails this save on every rank
+            if stager is not None:  # no copy may still write a buffer the pool hands out
+                stager.abort()
+            job.pieces.put((None, e, None, None))  # the writer fails this save on every rank
             raise
         handle.timings["plan_s"] = t1 - t0
         handle.timings["stage_s"] = time.perf_counter() - t1
@@ -370,6 +387,15 @@ class Checkpointer:
         if block:
             handle.wait()
         return handle
+
+    def _device_stager(self, data: dict) -> _device.DeviceStager | None:
+        """The stager of this checkpointer's device tensors; None if ``data`` has none."""
+        backend = _device.default_backend()
+        if backend is None or not any(backend.is_device(t) for t in data.values()):
+            return None
+        if self._stager is None or self._stager.backend is not backend:
+            self._stager = _device.DeviceStager(backend, self.options.cuda_stage)
+        return self._stager
 
     def _supersede(self) -> SaveHandle | None:
         """Ask the in-flight save to stop before its next piece and fail without committing
@@ -435,18 +461,21 @@ class Checkpointer:
                 # open overlap the next file's writes and the device queue never runs dry
                 with ThreadPoolExecutor(WRITE_STREAMS, thread_name_prefix="fastckpt-io") as ex:
                     while remaining:
-                        piece, buf, hashes = job.pieces.get()
+                        piece, buf, hashes, ready = job.pieces.get()
                         remaining -= 1
                         if piece is None:
                             remaining = 0  # the training thread stopped staging
                             raise FastCkptError(f"staging failed: {buf}") from buf
                         if job.cancel.is_set():
+                            if ready is not None:
+                                ready.wait()
                             self._pool.release(buf)
                             raise FastCkptError(f"save of step {plan.step} was superseded by a "
                                                 "newer save (preemption); nothing was committed")
                         while len(pending) >= WRITE_STREAMS or (pending and pending[0].done()):
                             files.append(pending.popleft().result())  # raises a write's error
-                        pending.append(ex.submit(self._write_piece, d, plan, piece, buf, hashes))
+                        pending.append(ex.submit(self._write_piece, d, plan, piece, buf, hashes,
+                                                 ready))
                     while pending:
                         files.append(pending.popleft().result())
                 files.sort(key=lambda f: f["piece"])
@@ -456,9 +485,11 @@ class Checkpointer:
                 # the training thread waiting for a buffer (the executor has finished by now:
                 # its writes released their own buffers)
                 while remaining:
-                    piece, buf, _ = job.pieces.get()
+                    piece, buf, _, ready = job.pieces.get()
                     remaining = 0 if piece is None else remaining - 1
                     if piece is not None:
+                        if ready is not None:
+                            ready.wait()
                         self._pool.release(buf)
             result = {"ok": True, "files": files}
             _faults.point("after_shard_write", self.rank)
@@ -504,12 +535,14 @@ class Checkpointer:
                         self.rank, e)
 
     def _write_piece(self, d: str, plan: SavePlan, piece: Any, buf: memoryview,
-                     hashes: list[int] | None) -> dict:
+                     hashes: list[int] | None, ready: Any = None) -> dict:
         """(background) Write one shard file from its staged buffer, then release the buffer to
         the pool; the file's manifest entries.
         ``hashes``: the chunks' checksums when staging computed them, else computed here while
-        writing. No whole-file checksum: every byte of a shard is a chunk (checksummed) or
+        writing. ``ready``: the device-to-host copies into ``buf`` to wait for first. No whole-file checksum: every byte of a shard is a chunk (checksummed) or
         alignment padding (zero), which is what ``verify`` checks."""
+        if ready is not None:
+            ready.wait()
         name = fmt.shard_name(self.rank, plan.save_id, piece.index)
         path = f"{d}/{name}"
         gathered = isinstance(buf, Gathered)
@@ -621,7 +654,10 @@ class Checkpointer:
             self._queue.put(_SENTINEL)
             self._thread.join()
             self._thread = None
+        self._pool.close()  # unpinned before they are freed
         self._pool = StagingPool()
+        if self._stager is not None:
+            self._stager.close()
         last = self._last
         if last is not None and last._exc is not None and not last._reported:
             last._reported = True

@@ -17,6 +17,11 @@ class CheckpointOptions:
     zero_copy: blocking saves (``save(..., block=True)``, one-off ``fastckpt.save``) on a local
         file system write each large contiguous CPU tensor straight from its memory, without
         staging it (no copy, no staging memory); False stages them like an async save.
+    cuda_stage: how ``save`` orders the training stream after the device-to-host copies of CUDA
+        tensors (run on a side stream into pinned staging buffers): "stream" (the current stream
+        waits for them on the GPU; ``save`` returns without a host wait) or "sync" (``save``
+        waits on the host until they are done; use it when the saved tensors may be written
+        from other streams). See fastckpt/_device.py.
     verify: check every chunk's checksum on load.
     staging_cap_bytes: host memory the staging buffers may use (None: as much as the rank's
         state, allocated once and reused; ``save`` then stalls for one memcpy). Above the cap the
@@ -47,6 +52,7 @@ class CheckpointOptions:
     native: str = "auto"
     direct_io: bool = True
     zero_copy: bool = True
+    cuda_stage: str = "stream"
     verify: bool = True
     strict: bool = True
     staging_cap_bytes: int | None = None
@@ -72,7 +78,8 @@ class CheckpointOptions:
         if self.native not in ("auto", "require", "off"):
             raise ValueError(f"native must be 'auto', 'require' or 'off', got {self.native!r} "
                              "(FASTCKPT_NATIVE)")
-
+        if self.cuda_stage not in ("stream", "sync"):
+            raise ValueError(f"cuda_stage must be 'stream' or 'sync', got {self.cuda_stage!r}")
         if self.grace_s is not None and not (self.grace_s > 0):
             raise ValueError(f"grace_s must be > 0 seconds or None, got {self.grace_s!r}")
         if self.preempt_consensus not in ("store", "allreduce"):

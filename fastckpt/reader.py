@@ -27,8 +27,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from . import _device
 from . import format as fmt
-from ._native import aligned_buffer, get_backend
+from ._native import _address, aligned_buffer, get_backend
 from ._tree import decode_value
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .storage import Storage, open_storage
@@ -155,7 +156,14 @@ class FastCkptReader(StorageReader):
             fqn, c = entry
             by_chunk.setdefault((c["file"], int(c["offset"])), []).append((req, fqn, c))
         spans = _spans(by_chunk)
-        for span, buf in self._prefetch(spans):
+        # device (CUDA) targets: pinned read buffers, non-blocking copies (see _device.py)
+        backend = _device.default_backend()
+        loader = None
+        if backend is not None and any(
+                backend.is_device(planner.resolve_tensor(req))
+                for reqs in by_chunk.values() for req, _, _ in reqs):
+            loader = _device.DeviceLoader(backend)
+        for span, buf in self._prefetch(spans, loader):
             for key in span.chunks:
                 reqs = by_chunk[key]
                 _, fqn, c = reqs[0]
@@ -169,7 +177,9 @@ class FastCkptReader(StorageReader):
                         raise CorruptCheckpointError(
                             f"read item shape {list(src.shape)} does not fit target "
                             f"{list(target.shape)}", key=fqn, rank=self.rank)
-                    if (target.device.type == "cpu" and target.dtype == src.dtype
+                    if loader is not None and backend.is_device(target):
+                        loader.copy(target, src)  # the buffer waits for it before reuse
+                    elif (target.device.type == "cpu" and target.dtype == src.dtype
                             and target.is_contiguous() and src.is_contiguous()):
                         # one thread, GIL released (torch's copy_ leaves its OpenMP threads
                         # spinning after every call, which cost more CPU than the copy here)
@@ -178,12 +188,14 @@ class FastCkptReader(StorageReader):
                     else:
                         target.copy_(src)
                     planner.commit_tensor(req, target)
+            if loader is not None:
+                loader.end_buffer(_address(buf))
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
     # -- helpers -------------------------------------------------------------------------------
-    def _prefetch(self, spans: list["_Span"]):
+    def _prefetch(self, spans: list["_Span"], loader: Any = None):
         """Yield (span, buffer) as spans arrive, while READ_STREAMS threads read the next ones.
 
         READ_STREAMS + 2 buffers of the largest span are allocated once per ``read_data`` and
@@ -197,8 +209,16 @@ class FastCkptReader(StorageReader):
         size = fmt.align_up(max(sp.length for sp in spans))
         nthreads = min(READ_STREAMS, len(spans))
         free: queue.Queue = queue.Queue()
-        for _ in range(min(nthreads + 2, len(spans))):
-            free.put(aligned_buffer(size))
+        try:
+            for _ in range(min(nthreads + 2, len(spans))):
+                b = aligned_buffer(size)
+                free.put(b)
+                if loader is not None:  # device targets: copied out of pinned memory
+                    loader.pin(_address(b), len(b))
+        except BaseException:
+            if loader is not None:
+                loader.finish()  # unpin the ones pinned so far
+            raise
         ready: queue.Queue = queue.Queue()
         stop = threading.Event()
         todo = iter(spans)
@@ -215,6 +235,8 @@ class FastCkptReader(StorageReader):
                     free.put(buf)
                     return
                 try:
+                    if loader is not None:  # device copies out of this buffer still queued
+                        loader.before_reuse(_address(buf))
                     path = self._check_file(sp.file)
                     # no hash of the whole span: each chunk is checked on its own
                     self.storage.read_into(path, sp.start, buf, sp.length, hash=False)
@@ -243,6 +265,8 @@ class FastCkptReader(StorageReader):
                 free.put(None)  # unblock readers waiting for a buffer
             for t in threads:
                 t.join()
+            if loader is not None:  # every copy done before the buffers are unpinned, freed
+                loader.finish()
 
     def _chunk_view(self, buf: memoryview, span: "_Span", fqn: str, c: dict) -> torch.Tensor:
         """The saved chunk as a tensor over ``buf``, after checking its checksum."""

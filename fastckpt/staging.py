@@ -124,13 +124,16 @@ def split(chunks, limit: int, first: int | None = None,
 
 
 class StagingPool:
-    """Reusable page-aligned host buffers (see the module docstring)."""
+    """Reusable page-aligned host buffers (see the module docstring). With a ``pinner`` (a
+    :class:`fastckpt._device.DeviceStager`, for states holding CUDA tensors) every buffer is
+    page-locked once and unregistered before it is freed."""
 
     def __init__(self) -> None:
         self._dedicated: list[memoryview] = []
         self._shared: list[memoryview] = []
         self._free: queue.Queue = queue.Queue()
         self.capped = False
+        self._pinner = None
 
     @property
     def nbytes(self) -> int:
@@ -141,29 +144,58 @@ class StagingPool:
         """Whether a rank holding ``total`` bytes will stream through a capped pool."""
         return cap is not None and total > cap
 
-    def prepare(self, sizes: list[int], cap: int | None) -> None:
-        """Size the pool for the next save's pieces (no save may be in flight)."""
+    def _new(self, size: int) -> memoryview:
+        buf = aligned_buffer(size)
+        if self._pinner is not None:
+            self._pinner.pin(_address(buf), len(buf))
+        return buf
+
+    def _drop(self, bufs: list) -> None:
+        if self._pinner is not None:
+            for b in bufs:
+                if b is not None and len(b):
+                    self._pinner.unpin(_address(b))
+        bufs.clear()
+
+    def close(self) -> None:
+        """Unpin and free every buffer."""
+        self._drop(self._dedicated)
+        self._drop(self._shared)
+        self._free = queue.Queue()
+
+    def prepare(self, sizes: list[int], cap: int | None, pinner=None) -> None:
+        """Size the pool for the next save's pieces (no save may be in flight); ``pinner``:
+        pin every buffer (kept pinned by later saves)."""
+        if pinner is not None and self._pinner is None:
+            self._pinner = pinner
+            for b in self._dedicated + self._shared:
+                if len(b):
+                    pinner.pin(_address(b), len(b))
         need = sum(fmt.align_up(max(s, 1)) for s in sizes)
         if cap is None or need <= cap:
             self.capped = False
-            self._shared = []
+            self._drop(self._shared)
+            self._free = queue.Queue()
             bufs = self._dedicated
             for i, s in enumerate(sizes):
                 want = fmt.align_up(max(s, 1))
                 if i >= len(bufs):
-                    bufs.append(aligned_buffer(want))
+                    bufs.append(self._new(want))
                 elif len(bufs[i]) < want:
+                    self._drop([bufs[i]])
                     bufs[i] = None  # type: ignore[call-overload]  # free before allocating
-                    bufs[i] = aligned_buffer(want)
+                    bufs[i] = self._new(want)
+            extra = bufs[len(sizes):]
             del bufs[len(sizes):]
+            self._drop(extra)
             return
         self.capped = True
-        self._dedicated = []
+        self._drop(self._dedicated)
         size = fmt.align_up(max(sizes))
         n = max(2, min(len(sizes), cap // size))
         if len(self._shared) != n or any(len(b) < size for b in self._shared):
-            self._shared = []
-            self._shared = [aligned_buffer(size) for _ in range(n)]
+            self._drop(self._shared)
+            self._shared = [self._new(size) for _ in range(n)]
         self._free = queue.Queue()
         for b in self._shared:
             self._free.put(b)
@@ -179,7 +211,8 @@ class StagingPool:
             self._free.put(buf)
 
 
-def stage_piece(piece: Piece, buf: memoryview, data: dict, io=None) -> list[int] | None:
+def stage_piece(piece: Piece, buf: memoryview, data: dict, io=None,
+                device=None) -> list[int] | None:
     """Copy a piece's slots into ``buf`` at their file offsets; zero the alignment gaps so the
     file's bytes are deterministic.
 
@@ -188,7 +221,16 @@ def stage_piece(piece: Piece, buf: memoryview, data: dict, io=None) -> list[int]
     each chunk's xxh3 computed on the bytes just copied while they are in cache, so the writer
     does not read them again; returns the slots' hashes. Without ``io`` (an uncapped pool, where
     the copy is the training stall) torch copies alone and returns None: the writer hashes.
+
+    ``device`` (a :class:`fastckpt._device.DeviceStager`): device tensors are queued on its
+    side stream instead (the caller collects the piece's event with ``device.end_piece()``);
+    such a piece's hashes are left to the writer, which reads the buffer after the event.
     """
+    if device is not None and any(s.spec.nbytes and device.backend.is_device(data[s.key])
+                                  for s in piece.slots):
+        io = None
+    else:
+        device = None
     hashes: list[int] | None = [] if io is not None else None
     if piece.size == 0:  # only empty tensors: an empty file
         if hashes is not None:
@@ -200,11 +242,13 @@ def stage_piece(piece: Piece, buf: memoryview, data: dict, io=None) -> list[int]
         n = slot.spec.nbytes
         if slot.offset > pos:
             dst[pos:slot.offset].zero_()
-        src = data[slot.key] if n else None
-        if src is not None and (slot.row0 or src.shape[:1] != slot.spec.sizes[:1]):
-            src = src.narrow(0, slot.row0, slot.spec.sizes[0])
+        src = _slot_source(slot, data) if n else None
         if hashes is None:
-            if n:
+            if not n:
+                pass
+            elif device is not None and device.backend.is_device(src):
+                device.copy(dst[slot.offset:slot.offset + n], src)
+            else:
                 if not src.is_contiguous():
                     src = src.contiguous()
                 dst[slot.offset:slot.offset + n].copy_(src.reshape(-1).view(torch.uint8))

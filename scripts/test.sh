@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run the whole test suite. CI runs exactly this.
 # The suite runs once with the native I/O extension required (when it built), then the
-# storage, staging, fault and crash tests run again on the pure-Python I/O path.
+# storage, staging (CPU and simulated CUDA), fault and crash tests run again on the pure-Python I/O path.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -17,5 +17,5 @@ FASTCKPT_NATIVE=$native python -m pytest -q -p no:cacheprovider "$@"
 if [ "$native" = require ] && [ $# -eq 0 ]; then
   echo "[test] I/O-path tests again, FASTCKPT_NATIVE=off"
   FASTCKPT_NATIVE=off python -m pytest -q -p no:cacheprovider tests/test_faults.py \
-    tests/test_staging.py tests/test_crash.py -k "not random_times"
+    tests/test_staging.py tests/test_device_staging.py tests/test_crash.py -k "not random_times"
 fi
