@@ -63,7 +63,7 @@ def geometry(size_bytes: int, layers: int) -> dict[str, Any]:
 # =========================================================================== child side
 
 
-def _build_state(geom: dict[str, Any], seed: int):
+def _build_state(geom: dict[str, Any], seed: int, stepped: bool = True):
     import torch
     from torch import nn
 
@@ -78,8 +78,9 @@ def _build_state(geom: dict[str, Any], seed: int):
             p.uniform_(-bound, bound, generator=g)
             p.grad = torch.empty_like(p).uniform_(-1.0, 1.0, generator=g)
     optim = torch.optim.Adam(model.parameters(), lr=1e-3)
-    optim.step()
-    for p in model.parameters():
+    if stepped:
+        optim.step()
+    for p in model.parameters():  # not stepped: a freshly built optimizer, no moments yet
         p.grad = None
     return model, optim
 
@@ -180,7 +181,8 @@ def _child(payload: dict[str, Any]) -> dict[str, Any]:
     # loads start from a *different* fresh model+optimizer (seed+1) so that a
     # successful load is visible in the fingerprint
     seed = payload["seed"] + (1 if op == "load" else 0)
-    model, optim = _build_state(geom, seed)
+    fresh = op == "load" and payload.get("load_into") == "fresh"
+    model, optim = _build_state(geom, seed, stepped=not fresh)
     nbytes = sum(t.nbytes for _, t in _state_tensors(model, optim))
     gc.collect()
     setup_s = time.perf_counter() - t_setup
@@ -192,6 +194,8 @@ def _child(payload: dict[str, Any]) -> dict[str, Any]:
 
     res = dict(meter.result)
     res.update(extra)
+    if fresh:  # the moments exist now (created by the load)
+        nbytes = sum(t.nbytes for _, t in _state_tensors(model, optim))
     res.update(bytes=nbytes, seconds=res["wall_s"], setup_s=setup_s,
                cache_dropped=dropped, torch_threads=torch.get_num_threads(),
                fingerprint=_fingerprint(model, optim))
@@ -274,7 +278,8 @@ def fio_sample(rw: str, path: str, nbytes: int, args) -> dict[str, Any]:
 def child_sample(contender: str, op: str, path: str, rep: int, geom: dict[str, Any],
                  args) -> dict[str, Any]:
     payload = {"contender": contender, "op": op, "path": path, "rep": rep,
-               "seed": args.seed, "geometry": geom, "drop_caches": args.drop_caches}
+               "seed": args.seed, "geometry": geom, "drop_caches": args.drop_caches,
+               "load_into": args.load_into}
     argv = [sys.executable, os.path.abspath(__file__), "--child"]
     return C.run_child(argv, payload, timeout=args.timeout)
 
@@ -329,6 +334,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", default=os.path.join(C.REPO_ROOT, "bench-out", "saveload.json"),
                    help="where to write the JSON report")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--load-into", choices=("stepped", "fresh"), default="stepped",
+                   help="what loads start from: a model + optimizer that already took a step "
+                        "(its moments exist) or a freshly built one (no moments yet: as a "
+                        "restarted job builds it; each tool creates the moments its own way)")
     p.add_argument("--fio-bs", default="16M")
     p.add_argument("--fio-iodepth", type=int, default=8)
     p.add_argument("--timeout", type=float, default=900,
@@ -460,7 +469,7 @@ def main(argv: list[str]) -> int:
             "geometry": geom, "reps": args.reps, "contenders": contenders,
             "contenders_requested": args.contenders, "skipped": skipped,
             "descriptions": {c: DESCRIPTIONS[c] for c in contenders},
-            "dir": os.path.abspath(args.dir), "seed": args.seed,
+            "dir": os.path.abspath(args.dir), "seed": args.seed, "load_into": args.load_into,
             "drop_caches": args.drop_caches, "fio_bs": args.fio_bs,
             "fio_iodepth": args.fio_iodepth, "timeout_s": args.timeout,
             "interleave": "round-robin per rep, order rotated by one each rep",
