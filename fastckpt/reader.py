@@ -29,7 +29,7 @@ from torch.futures import Future
 
 from . import _device
 from . import format as fmt
-from ._native import _address, aligned_buffer, get_backend
+from ._native import _address, _raw_view, aligned_buffer, get_backend
 from ._tree import decode_value
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .storage import Storage, open_storage
@@ -101,6 +101,8 @@ class FastCkptReader(StorageReader):
         self.verify = verify
         self.rank = rank
         self._checked_files: set[str] = set()
+        #: what the last read_data read: chunks straight into their destination, span bytes
+        self.read_stats: dict[str, int] = {}
 
     # -- DCP interface -------------------------------------------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -154,25 +156,44 @@ class FastCkptReader(StorageReader):
                 planner.load_bytes(req, buf)
                 continue
             fqn, c = entry
-            by_chunk.setdefault((c["file"], int(c["offset"])), []).append((req, fqn, c))
+            target = planner.resolve_tensor(req).detach()
+            by_chunk.setdefault((c["file"], int(c["offset"])), []).append((req, fqn, c, target))
+        # chunks that fill a CPU destination whose address is in phase with the chunk's file
+        # offset are read straight into it (no read buffer, no copy); the rest in spans
+        direct = [_Direct(f, off, reqs) for (f, off), reqs in by_chunk.items()
+                  if self._direct_ok(reqs)]
+        for d in direct:
+            del by_chunk[(d.file, d.start)]
         spans = _spans(by_chunk)
+        self.read_stats = {"direct_chunks": len(direct),
+                           "direct_bytes": sum(d.length for d in direct),
+                           "span_bytes": sum(sp.length for sp in spans)}
         # device (CUDA) targets: pinned read buffers, non-blocking copies (see _device.py)
         backend = _device.default_backend()
         loader = None
-        if backend is not None and any(
-                backend.is_device(planner.resolve_tensor(req))
-                for reqs in by_chunk.values() for req, _, _ in reqs):
+        if backend is not None and any(backend.is_device(t) for reqs in by_chunk.values()
+                                       for _, _, _, t in reqs):
             loader = _device.DeviceLoader(backend)
-        for span, buf in self._prefetch(spans, loader):
+        for item, buf, h in self._prefetch(direct + spans, loader):
+            if isinstance(item, _Direct):
+                req, fqn, c, target = item.reqs[0]
+                if self.verify and fmt.hexdigest(h) != c["checksum"]:
+                    raise CorruptCheckpointError(
+                        f"checksum mismatch in {item.length} bytes (expected {c['checksum']}, "
+                        f"read {fmt.hexdigest(h)}): the shard is damaged",
+                        file=f"{self.step_dir}/{item.file}", key=fqn, offset=item.start,
+                        rank=self.rank)
+                planner.commit_tensor(req, target)
+                continue
+            span = item
             for key in span.chunks:
                 reqs = by_chunk[key]
-                _, fqn, c = reqs[0]
+                _, fqn, c, _ = reqs[0]
                 saved = self._chunk_view(buf, span, fqn, c)
-                for req, _, _ in reqs:
+                for req, _, _, target in reqs:
                     src = saved
                     for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
                         src = src.narrow(dim, o, n)
-                    target = planner.resolve_tensor(req).detach()
                     if target.shape != src.shape:
                         raise CorruptCheckpointError(
                             f"read item shape {list(src.shape)} does not fit target "
@@ -195,23 +216,59 @@ class FastCkptReader(StorageReader):
         return fut
 
     # -- helpers -------------------------------------------------------------------------------
-    def _prefetch(self, spans: list["_Span"], loader: Any = None):
-        """Yield (span, buffer) as spans arrive, while READ_STREAMS threads read the next ones.
+    def _direct_ok(self, reqs: list) -> bool:
+        """Whether a saved chunk can be read straight into its one destination: a whole,
+        contiguous CPU tensor of the same dtype and size, at least DIRECT_MIN bytes, whose
+        address has the same remainder modulo 4096 as the chunk's file offset (so all of it but
+        its first and last partial pages is read with O_DIRECT, without a buffer or a copy).
+        Zero-copy saves place chunks in phase with the saving process's tensors, which the
+        loading process's tensors usually share; tensors a load allocates are placed in phase."""
+        if len(reqs) != 1:
+            return False
+        req, fqn, c, t = reqs[0]
+        n = int(c["length"])
+        return (n >= DIRECT_MIN and t.device.type == "cpu" and t.is_contiguous()
+                and t.numel() * t.element_size() == n
+                and list(t.shape) == list(c["sizes"])
+                and not any(req.storage_offsets) and list(req.lengths) == list(c["sizes"])
+                and t.dtype == fmt.dtype_from_name(self.body["tensors"][fqn]["dtype"],
+                                                   file=f"{self.step_dir}/{fmt.MANIFEST}")
+                and (t.data_ptr() - int(c["offset"])) % fmt.ALIGN == 0)
+
+    def _read_direct(self, d: "_Direct") -> int | None:
+        """(reader thread) Read a chunk into its destination; its hash (None: not verifying)."""
+        _, _, c, t = d.reqs[0]
+        path = self._check_file(d.file)
+        addr, off, n = t.data_ptr(), d.start, d.length
+        lo, hi = fmt.align_up(off), (off + n) // fmt.ALIGN * fmt.ALIGN
+        # the page-aligned body with O_DIRECT, the partial first and last pages buffered
+        for a, z in ((lo, hi), (off, lo), (hi, off + n)):
+            if z > a:
+                self.storage.read_into(path, a, _raw_view(addr + a - off, z - a), z - a,
+                                       hash=False)
+        return self._io.hash(_raw_view(addr, n), n) if self.verify else None
+
+    def _prefetch(self, items: list, loader: Any = None):
+        """Yield (item, buffer, hash) as reads finish, while READ_STREAMS threads read the next
+        items in file order: a span into a reusable buffer (hash None: its chunks are checked
+        one by one), a direct chunk into its destination (buffer None, hash of the bytes read,
+        computed by the reader thread).
 
         READ_STREAMS + 2 buffers of the largest span are allocated once per ``read_data`` and
         reused, so first-touch page faults and the extra memory stay bounded however large the
-        checkpoint is. Spans are yielded in the order their reads finish (each read item says
+        checkpoint is. Items are yielded in the order their reads finish (each read item says
         where its bytes go, so order does not matter); two reads in flight keep the device queue
-        full across span boundaries.
+        full across item boundaries.
         """
-        if not spans:
+        if not items:
             return
-        size = fmt.align_up(max(sp.length for sp in spans))
-        nthreads = min(READ_STREAMS, len(spans))
+        items = sorted(items, key=lambda it: (it.file, it.start))
+        spans = [it for it in items if isinstance(it, _Span)]
+        nthreads = min(READ_STREAMS, len(items))
         free: queue.Queue = queue.Queue()
         try:
             for _ in range(min(nthreads + 2, len(spans))):
-                b = aligned_buffer(size)
+                b = aligned_buffer(fmt.align_up(max(sp.length for sp in spans)))
                 free.put(b)
                 if loader is not None:  # device targets: copied out of pinned memory
                     loader.pin(_address(b), len(b))
@@ -221,44 +278,50 @@ class FastCkptReader(StorageReader):
             raise
         ready: queue.Queue = queue.Queue()
         stop = threading.Event()
-        todo = iter(spans)
+        todo = iter(items)
         todo_lock = threading.Lock()
 
         def reader() -> None:
             while not stop.is_set():
-                buf = free.get()
-                if buf is None or stop.is_set():
-                    return
                 with todo_lock:
-                    sp = next(todo, None)
-                if sp is None:
-                    free.put(buf)
+                    it = next(todo, None)
+                if it is None:
                     return
+                buf = None
+                if isinstance(it, _Span):
+                    buf = free.get()
+                    if buf is None or stop.is_set():
+                        return
                 try:
-                    if loader is not None:  # device copies out of this buffer still queued
-                        loader.before_reuse(_address(buf))
-                    path = self._check_file(sp.file)
-                    # no hash of the whole span: each chunk is checked on its own
-                    self.storage.read_into(path, sp.start, buf, sp.length, hash=False)
-                    ready.put((sp, buf, None))
+                    h = None
+                    if buf is None:
+                        h = self._read_direct(it)
+                    else:
+                        if loader is not None:  # device copies out of this buffer still queued
+                            loader.before_reuse(_address(buf))
+                        path = self._check_file(it.file)
+                        # no hash of the whole span: each chunk is checked on its own
+                        self.storage.read_into(path, it.start, buf, it.length, hash=False)
+                    ready.put((it, buf, h, None))
                 except BaseException as e:  # noqa: BLE001 - handed to the consumer
-                    ready.put((sp, buf, e))
+                    ready.put((it, buf, None, e))
                     return
         threads = [threading.Thread(target=reader, name=f"fastckpt-reader-{i}", daemon=True)
                    for i in range(nthreads)]
         for t in threads:
             t.start()
         try:
-            for _ in spans:
-                sp, buf, err = ready.get()
+            for _ in items:
+                it, buf, h, err = ready.get()
                 if err is not None:
                     if isinstance(err, CorruptCheckpointError):
                         raise err
                     raise CorruptCheckpointError(
-                        f"cannot read {sp.length} bytes: {err}", file=f"{self.step_dir}/{sp.file}",
-                        offset=sp.start, rank=self.rank) from err
-                yield sp, buf
-                free.put(buf)
+                        f"cannot read {it.length} bytes: {err}", file=f"{self.step_dir}/{it.file}",
+                        offset=it.start, rank=self.rank) from err
+                yield it, buf, h
+                if buf is not None:
+                    free.put(buf)
         finally:
             stop.set()
             for _ in threads:
@@ -327,8 +390,24 @@ class FastCkptReader(StorageReader):
 #: the most bytes read in one request; READ_STREAMS + 2 buffers of this size bound the load's
 #: extra memory
 SPAN_MAX = 64 << 20
+#: the largest gap between two needed chunks that one span reads through
+SPAN_GAP_MAX = 1 << 20
 #: spans read at once (each with the I/O backend's own requests in flight)
 READ_STREAMS = 2
+#: chunks from this size up are read straight into their destination when it allows
+DIRECT_MIN = 1 << 20
+
+
+@dataclass
+class _Direct:
+    """A chunk read straight into its destination tensor (see FastCkptReader._direct_ok)."""
+    file: str
+    start: int
+    reqs: list  # [(read item, fqn, chunk entry, destination)]
+
+    @property
+    def length(self) -> int:
+        return int(self.reqs[0][2]["length"])
 
 
 @dataclass
@@ -346,15 +425,18 @@ class _Span:
 
 def _spans(by_chunk: dict[tuple[str, int], list]) -> list[_Span]:
     """Group the needed chunks into spans: file order, page-aligned starts, at most SPAN_MAX
-    bytes unless a single chunk is larger. Gaps between needed chunks are read too when the
-    span stays within the limit (cheaper than another request)."""
+    bytes unless a single chunk is larger. Gaps of up to SPAN_GAP_MAX between needed chunks are
+    read too when the span stays within the limit (cheaper than another request); larger ones
+    (chunks read directly into their destination, or not needed by this rank) start a new
+    span."""
     spans: list[_Span] = []
     for key in sorted(by_chunk):
         file, off = key
         c = by_chunk[key][0][2]
         end = off + int(c["length"])
         cur = spans[-1] if spans else None
-        if cur is not None and cur.file == file and end - cur.start <= SPAN_MAX:
+        if (cur is not None and cur.file == file and end - cur.start <= SPAN_MAX
+                and off - cur.end <= SPAN_GAP_MAX):
             cur.end = max(cur.end, end)
             cur.chunks.append(key)
         else:

@@ -1,0 +1,135 @@
+"""Loads that read large chunks straight into their destination tensors (no read buffer, no
+copy): when the destination's address is in phase with the chunk's file offset, and for the
+tensors a load allocates itself (placed in phase)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt import _native
+from fastckpt import reader as R
+
+
+@pytest.fixture(params=["off", "require"])
+def native(request, monkeypatch):
+    if request.param == "require" and not _native.native_available():
+        pytest.skip("native extension not built")
+    monkeypatch.setenv("FASTCKPT_NATIVE", request.param)
+    return request.param
+
+
+@pytest.fixture
+def stats(monkeypatch):
+    """The read_stats of every read_data call of the test."""
+    seen: list[dict] = []
+    orig = R.FastCkptReader.read_data
+
+    def read_data(self, plan, planner):
+        try:
+            return orig(self, plan, planner)
+        finally:
+            seen.append(dict(self.read_stats))
+    monkeypatch.setattr(R.FastCkptReader, "read_data", read_data)
+    return seen
+
+
+def _in_phase(nbytes: int, phase: int, dtype=torch.float32) -> torch.Tensor:
+    """A tensor of ``nbytes`` whose address is ``phase`` modulo 4096."""
+    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
+    skip = (phase - raw.data_ptr()) % 4096
+    return raw[skip:skip + nbytes].view(dtype)
+
+
+def _model_opt(seed: int, stepped: bool):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(768, 768), torch.nn.ReLU(), torch.nn.Linear(768, 512))
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    if stepped:
+        m(torch.randn(4, 768)).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return m, opt
+
+
+def _chunk(root: str, step: int, fqn: str) -> tuple[str, dict]:
+    d = os.path.join(root, f"step-{step:010d}")
+    body = json.load(open(os.path.join(d, "manifest.json")))["body"]
+    c = body["tensors"][fqn]["chunks"][0]
+    return os.path.join(d, c["file"]), c
+
+
+def test_fresh_optimizer_is_read_in_place(root, native, stats):
+    """A restarted job's optimizer has no moments: the load allocates them in phase with the
+    file and reads them with O_DIRECT straight into place; the result is bit-exact."""
+    m, opt = _model_opt(0, stepped=True)
+    fastckpt.save({"model": m, "optim": opt}, root, step=1)
+    m2, opt2 = _model_opt(1, stepped=False)
+    assert fastckpt.load({"model": m2, "optim": opt2}, root) == 1
+    for a, b in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+    for p, p2 in zip(m.parameters(), m2.parameters()):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][k], opt2.state[p2][k])
+    # the weights' moments (1.5 and 2.25 MiB, allocated by the load) go direct; the model's own
+    # weights only if malloc happened to place them in phase
+    moments = 2 * sum(p.nbytes for p in m.parameters() if p.nbytes >= (1 << 20))
+    assert stats[-1]["direct_chunks"] >= 4 and stats[-1]["direct_bytes"] >= moments, stats
+
+
+@pytest.mark.parametrize("where", ["body", "first_page", "last_page"])
+def test_damage_in_a_direct_chunk_names_file_key_offset(root, native, stats, where):
+    w = torch.randn(1 << 19)  # 2 MiB
+    fastckpt.save({"w": w}, root, step=1)
+    path, c = _chunk(root, 1, "w")
+    at = {"body": c["offset"] + (1 << 20), "first_page": c["offset"] + 1,
+          "last_page": c["offset"] + c["length"] - 1}[where]
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x40]))
+    out = {"w": _in_phase(w.nbytes, c["offset"] % 4096)}
+    with pytest.raises(fastckpt.CorruptCheckpointError, match="checksum mismatch") as ei:
+        fastckpt.load(out, root)
+    assert stats[-1]["direct_chunks"] == 1
+    assert ei.value.key == "w" and ei.value.offset == c["offset"]
+    assert c["file"] in str(ei.value)
+
+
+def test_out_of_phase_destination_goes_through_a_buffer(root, native, stats):
+    w = torch.randn(1 << 19)
+    fastckpt.save({"w": w}, root, step=1)
+    _, c = _chunk(root, 1, "w")
+    for shift, direct in ((0, 1), (64, 0), (2048, 0)):
+        out = {"w": _in_phase(w.nbytes, (c["offset"] + shift) % 4096)}
+        fastckpt.load(out, root)
+        assert torch.equal(out["w"], w)
+        assert stats[-1]["direct_chunks"] == direct, (shift, stats[-1])
+
+
+def test_truncated_file_under_a_direct_chunk(root, native):
+    w = torch.randn(1 << 19)
+    fastckpt.save({"w": w}, root, step=1)
+    path, c = _chunk(root, 1, "w")
+    with open(path, "r+b") as f:  # the size check names the file before any read
+        f.truncate(c["offset"] + (1 << 20))
+    out = {"w": _in_phase(w.nbytes, c["offset"] % 4096)}
+    with pytest.raises(fastckpt.CorruptCheckpointError) as ei:
+        fastckpt.load(out, root)
+    assert c["file"] in str(ei.value)
+
+
+def test_resharded_read_items_still_use_spans(root, stats):
+    """Gaps over 1 MiB between the chunks a load needs are not read through (the chunk of a
+    key the destination lacks, or one read directly)."""
+    a, b = torch.randn(1 << 19), torch.randn(1 << 19)
+    fastckpt.save({"a": a, "b": b, "s": torch.arange(10)}, root, step=1)
+    out = {"a": torch.empty(1 << 19), "s": torch.zeros(10, dtype=torch.int64)}
+    fastckpt.load(out, root, strict=False)
+    assert torch.equal(out["a"], a) and torch.equal(out["s"], torch.arange(10))
+    assert stats[-1]["span_bytes"] <= a.nbytes + 4096  # never b's 2 MiB
