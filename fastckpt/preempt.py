@@ -421,12 +421,17 @@ class Preemption:
             return  # closed without a stop
         if self.exit_code is not None and threading.main_thread().is_alive():
             return  # SystemExit raised and caught by the caller: its business, not a hang
+        # the stop finished (exit_code set) but the interpreter's shutdown is still running
+        # (joining threads, atexit): the outcome is known, so exit with it; otherwise the
+        # emergency path itself is stuck: "failed"
+        code = self.exit_code if self.exit_code is not None else EXIT_FAILED
         missing = self.failure.missing if self.failure else None
-        self.event("exit", code=EXIT_FAILED, reason="watchdog: still running "
+        what = "the shutdown" if self.exit_code is not None else "the emergency path"
+        self.event("exit", code=code, reason=f"watchdog: {what} still running "
                    f"{HARD_EXTRA_S:.0f} s after the grace deadline", missing=missing)
         self.event.close()
-        log.error("fastckpt: rank %d: grace deadline passed; exiting %d", self.rank, EXIT_FAILED)
-        os._exit(EXIT_FAILED)
+        log.error("fastckpt: rank %d: grace deadline passed; exiting %d", self.rank, code)
+        os._exit(code)
 
     # -- training thread -----------------------------------------------------------------------
     def check(self, state: dict, step: int) -> Any:

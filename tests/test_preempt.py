@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -439,14 +442,26 @@ def test_forked_worker_does_not_act(root):
         ck.close()
 
 
+def _disarm(ck) -> None:
+    """After an in-process stop whose SystemExit the test caught: the watchdog stays armed for
+    the shutdown (by design), which must not end this pytest process."""
+    p = ck.preemption
+    if p is not None and p._watchdog is not None:
+        p._watchdog.cancel()
+    ck.close()
+
+
 def test_request_stop_cancel_exits_zero(root):
     ck = fastckpt.Checkpointer(root, grace_s=10)
     st = _plain_state()
     threading.Timer(0.1, ck.preemption.request_stop, kwargs={"cancel": True}).start()
-    with pytest.raises(SystemExit) as e:
-        for step in range(200):
-            ck.save(st, step=step, on_preempt=True)
-            time.sleep(0.01)
+    try:
+        with pytest.raises(SystemExit) as e:
+            for step in range(200):
+                ck.save(st, step=step, on_preempt=True)
+                time.sleep(0.01)
+    finally:
+        _disarm(ck)
     assert e.value.code == preempt.EXIT_CANCELLED
     evs = _events(root, 0)
     assert _one(evs, "exit")["reason"] == "cancelled"
@@ -457,10 +472,13 @@ def test_module_level_save_on_preempt(root):
     st = _plain_state()
     assert fastckpt.save(st, root, step=0, on_preempt=True) is None
     fastckpt.checkpointer._ON_PREEMPT[root].preemption.request_stop()
-    with pytest.raises(SystemExit) as e:
-        for step in range(1, 200):
-            fastckpt.save(st, root, step=step, on_preempt=True)
-            time.sleep(0.01)
+    try:
+        with pytest.raises(SystemExit) as e:
+            for step in range(1, 200):
+                fastckpt.save(st, root, step=step, on_preempt=True)
+                time.sleep(0.01)
+    finally:
+        _disarm(fastckpt.checkpointer._ON_PREEMPT.pop(root))
     assert e.value.code == preempt.EXIT_PREEMPTED
 
 
@@ -489,3 +507,33 @@ def test_allreduce_consensus_option(tmp_path):
     steps = {_one(_events(cfg["root"], r), "commit")["step"] for r in range(2)}
     assert len(steps) == 1
     assert preempt.job_exit_code(os.path.join(cfg["root"], "events")) == preempt.EXIT_PREEMPTED
+
+
+def test_watchdog_after_a_finished_stop_keeps_its_exit_code(tmp_path):
+    """The stop finished (checkpoint committed, SystemExit caught by the script) but the
+    interpreter's shutdown hangs on a thread: the watchdog ends the process at the deadline + 3 s
+    with the stop's code (143), not "failed"."""
+    root = str(tmp_path / "ck")
+    script = textwrap.dedent(f"""
+        import threading, time, torch, fastckpt
+        ck = fastckpt.Checkpointer({root!r}, grace_s=3)
+        st = {{"w": torch.arange(10.0)}}
+        ck.preemption.request_stop()
+        try:
+            for step in range(500):
+                ck.save(st, step=step, on_preempt=True)
+                time.sleep(0.01)
+        except SystemExit:
+            pass
+        threading.Thread(target=time.sleep, args=(120,)).start()  # not a daemon: shutdown hangs
+    """)
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=90, cwd=os.path.dirname(os.path.dirname(__file__)))
+    took = time.monotonic() - t0
+    assert r.returncode == preempt.EXIT_PREEMPTED, r.stderr[-2000:]
+    assert took < 60  # the hanging thread sleeps 120 s
+    assert "grace deadline passed; exiting 143" in r.stderr  # the watchdog ended it
+    # (the event log was closed with the stop's own "exit" event before the shutdown)
+    assert [e for e in _events(root, 0) if e["event"] == "exit"][-1]["code"] == 143
+    assert fastckpt.Checkpointer(root).latest_step() is not None
