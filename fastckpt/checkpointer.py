@@ -468,9 +468,7 @@ class Checkpointer:
                             remaining = 0  # the training thread stopped staging
                             raise FastCkptError(f"staging failed: {buf}") from buf
                         if job.cancel.is_set():
-                            if ready is not None:
-                                ready.wait()
-                            self._pool.release(buf)
+                            self._release(buf, ready)
                             raise FastCkptError(f"save of step {plan.step} was superseded by a "
                                                 "newer save (preemption); nothing was committed")
                         while len(pending) >= WRITE_STREAMS or (pending and pending[0].done()):
@@ -489,9 +487,7 @@ class Checkpointer:
                     piece, buf, _, ready = job.pieces.get()
                     remaining = 0 if piece is None else remaining - 1
                     if piece is not None:
-                        if ready is not None:
-                            ready.wait()
-                        self._pool.release(buf)
+                        self._release(buf, ready)
             result = {"ok": True, "files": files}
             _faults.point("after_shard_write", self.rank)
         except Exception as e:
@@ -535,13 +531,20 @@ class Checkpointer:
             log.warning("fastckpt: rank %d: could not remove the failed save's files: %s",
                         self.rank, e)
 
+    def _release(self, buf: Any, ready: Any) -> None:
+        """(background) Give an unwritten piece's buffer back once no copy still fills it."""
+        if ready is not None:
+            ready.wait()
+        self._pool.release(buf)
+
     def _write_piece(self, d: str, plan: SavePlan, piece: Any, buf: memoryview,
                      hashes: list[int] | None, ready: Any = None) -> dict:
         """(background) Write one shard file from its staged buffer, then release the buffer to
         the pool; the file's manifest entries.
         ``hashes``: the chunks' checksums when staging computed them, else computed here while
-        writing. ``ready``: the device-to-host copies into ``buf`` to wait for first. No whole-file checksum: every byte of a shard is a chunk (checksummed) or
-        alignment padding (zero), which is what ``verify`` checks."""
+        writing. ``ready``: the device-to-host copies into ``buf`` to wait for first. No
+        whole-file checksum: every byte of a shard is a chunk (checksummed) or alignment padding
+        (zero), which is what ``verify`` checks."""
         if ready is not None:
             ready.wait()
         name = fmt.shard_name(self.rank, plan.save_id, piece.index)
@@ -679,7 +682,7 @@ def _alloc_in_phase(body: dict, fqn: str, meta: dict) -> torch.Tensor:
     reader can fill it with O_DIRECT without a read buffer or a copy (see
     ``FastCkptReader._direct_ok``). A view into a storage at most 4 KiB larger."""
     shape, dtype = tuple(meta["shape"]), meta["dtype"]
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     first = next((c for c in body["tensors"][fqn]["chunks"] if not any(c["offsets"])), None)
     if first is None or nbytes < fmt.ALIGN:
         return torch.empty(shape, dtype=dtype)

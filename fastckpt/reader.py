@@ -177,12 +177,8 @@ class FastCkptReader(StorageReader):
         for item, buf, h in self._prefetch(direct + spans, loader):
             if isinstance(item, _Direct):
                 req, fqn, c, target = item.reqs[0]
-                if self.verify and fmt.hexdigest(h) != c["checksum"]:
-                    raise CorruptCheckpointError(
-                        f"checksum mismatch in {item.length} bytes (expected {c['checksum']}, "
-                        f"read {fmt.hexdigest(h)}): the shard is damaged",
-                        file=f"{self.step_dir}/{item.file}", key=fqn, offset=item.start,
-                        rank=self.rank)
+                if self.verify:
+                    self._check_hash(h, fqn, c)
                 planner.commit_tensor(req, target)
                 continue
             span = item
@@ -228,7 +224,6 @@ class FastCkptReader(StorageReader):
         req, fqn, c, t = reqs[0]
         n = int(c["length"])
         return (n >= DIRECT_MIN and t.device.type == "cpu" and t.is_contiguous()
-                and t.numel() * t.element_size() == n
                 and list(t.shape) == list(c["sizes"])
                 and not any(req.storage_offsets) and list(req.lengths) == list(c["sizes"])
                 and t.dtype == fmt.dtype_from_name(self.body["tensors"][fqn]["dtype"],
@@ -340,14 +335,17 @@ class FastCkptReader(StorageReader):
             return torch.empty(c["sizes"], dtype=dtype)
         rel = int(c["offset"]) - span.start
         if self.verify:
-            h = self._io.hash(buf[rel:rel + n], n)
-            if fmt.hexdigest(h) != c["checksum"]:
-                raise CorruptCheckpointError(
-                    f"checksum mismatch in {n} bytes (expected {c['checksum']}, read "
-                    f"{fmt.hexdigest(h)}): the shard is damaged", file=path, key=fqn,
-                    offset=int(c["offset"]), rank=self.rank)
+            self._check_hash(self._io.hash(buf[rel:rel + n], n), fqn, c)
         raw = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=rel)
         return raw.view(dtype).reshape(c["sizes"])
+
+    def _check_hash(self, h: int, fqn: str, c: dict) -> None:
+        """Raise CorruptCheckpointError unless ``h`` is chunk ``c``'s recorded checksum."""
+        if fmt.hexdigest(h) != c["checksum"]:
+            raise CorruptCheckpointError(
+                f"checksum mismatch in {int(c['length'])} bytes (expected {c['checksum']}, read "
+                f"{fmt.hexdigest(h)}): the shard is damaged", file=f"{self.step_dir}/{c['file']}",
+                key=fqn, offset=int(c["offset"]), rank=self.rank)
 
     @property
     def _io(self):

@@ -244,11 +244,9 @@ def stage_piece(piece: Piece, buf: memoryview, data: dict, io=None,
             dst[pos:slot.offset].zero_()
         src = _slot_source(slot, data) if n else None
         if hashes is None:
-            if not n:
-                pass
-            elif device is not None and device.backend.is_device(src):
+            if n and device is not None and device.backend.is_device(src):
                 device.copy(dst[slot.offset:slot.offset + n], src)
-            else:
+            elif n:
                 _copy_typed(dst[slot.offset:slot.offset + n], src)
         elif n and src.device.type == "cpu" and src.is_contiguous():
             hashes.append(io.copy_hash(buf, slot.offset, src.data_ptr(), n))

@@ -124,12 +124,20 @@ def test_truncated_file_under_a_direct_chunk(root, native):
     assert c["file"] in str(ei.value)
 
 
-def test_resharded_read_items_still_use_spans(root, stats):
-    """Gaps over 1 MiB between the chunks a load needs are not read through (the chunk of a
-    key the destination lacks, or one read directly)."""
+def test_spans_do_not_read_through_large_gaps(root, stats):
+    """Gaps over 1 MiB between the chunks read in spans are not read through: here the gap is
+    a chunk read directly into its destination."""
     a, b = torch.randn(1 << 19), torch.randn(1 << 19)
     fastckpt.save({"a": a, "b": b, "s": torch.arange(10)}, root, step=1)
-    out = {"a": torch.empty(1 << 19), "s": torch.zeros(10, dtype=torch.int64)}
-    fastckpt.load(out, root, strict=False)
-    assert torch.equal(out["a"], a) and torch.equal(out["s"], torch.arange(10))
-    assert stats[-1]["span_bytes"] < a.nbytes + (1 << 20)  # never b's 2 MiB too
+    _, ca = _chunk(root, 1, "a")
+    _, cb = _chunk(root, 1, "b")
+    # "a" out of phase (read in a span), "b" in phase (read directly): a span through b's
+    # 2 MiB would reach "s"
+    out = {"a": _in_phase(a.nbytes, (ca["offset"] + 64) % 4096),
+           "b": _in_phase(b.nbytes, cb["offset"] % 4096),
+           "s": torch.zeros(10, dtype=torch.int64)}
+    fastckpt.load(out, root)
+    for k, v in (("a", a), ("b", b), ("s", torch.arange(10))):
+        assert torch.equal(out[k], v), k
+    assert stats[-1]["direct_bytes"] == b.nbytes, stats
+    assert stats[-1]["span_bytes"] < a.nbytes + (1 << 20), stats  # not b's 2 MiB again
