@@ -19,11 +19,13 @@ _HINTS = {
 
 
 def storage_error(e: BaseException, what: str, path: str, *, offset: int | None = None,
-                  rank: int | None = None) -> StorageError:
-    """Translate an OS/provider error into a StorageError that names the file and says why."""
+                  rank: int | None = None, note: str | None = None) -> StorageError:
+    """Translate an OS/provider error into a StorageError that names the file and says why;
+    ``note``: what the failure left behind, appended to the message."""
     code = getattr(e, "errno", None)
     hint = _HINTS.get(code, str(e)) if code is not None else str(e)
-    err = StorageError(f"{what} failed: {hint}", file=path, offset=offset, rank=rank)
+    err = StorageError(f"{what} failed: {hint}" + (f"; {note}" if note else ""), file=path,
+                       offset=offset, rank=rank)
     err.errno = code  # type: ignore[misc]
     return err
 
@@ -47,6 +49,26 @@ class Storage(abc.ABC):
     @property
     def is_local(self) -> bool:
         return False
+
+    def bounded(self, deadline: float | None) -> "Storage":
+        """A view of this storage whose calls finish, or raise StorageError, by ``deadline``
+        (a ``time.monotonic()`` value; None: no deadline beyond the backend's own per-call
+        bounds). The view shares everything else with this storage; making one is cheap.
+
+        This base returns ``self``: a local disk's blocking system calls cannot be interrupted,
+        so local calls are not bounded by a deadline. Remote backends override it.
+        """
+        return self
+
+    def incomplete_uploads(self) -> list[dict]:
+        """Uploads begun under the root and neither completed nor aborted (object stores'
+        multipart uploads), for ``fastckpt gc``: each a dict with at least ``url`` and
+        ``upload_id``. This base has none: ``[]``."""
+        return []
+
+    def abort_upload(self, upload: dict) -> None:
+        """Abort one entry of :meth:`incomplete_uploads`; one already gone is fine. This base
+        has no uploads: a no-op."""
 
     @abc.abstractmethod
     def makedirs(self, path: str) -> None:
