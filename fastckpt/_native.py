@@ -22,6 +22,7 @@ import fcntl
 import itertools
 import mmap
 import os
+import stat
 import threading
 from typing import Protocol, Sequence
 
@@ -486,7 +487,9 @@ class PythonBackend:
             raise ValueError("file_offset must be >= 0")
         use_direct = bool(direct and _O_DIRECT and nbytes > 0 and file_offset % ALIGN == 0
                           and mv.nbytes >= _round_up(nbytes) and _address(mv) % ALIGN == 0)
-        flags = os.O_RDONLY | _O_CLOEXEC
+        # never through a link; a FIFO in place of a shard must not block the open; then
+        # only a regular file is read (as the native backend)
+        flags = os.O_RDONLY | _O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK
         fd = -1
         if use_direct:
             try:
@@ -501,7 +504,10 @@ class PythonBackend:
             except OSError as e:
                 raise _os_error(e.errno, "opening", path) from None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise _os_error(_errno.EINVAL, "opening (not a regular file)", path)
+            size = st.st_size
             if size < file_offset + nbytes:
                 raise _eof_error(path, nbytes, file_offset, size)
             if nbytes == 0:

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import format as fmt
 from .errors import StateMismatchError, UnsupportedStateError
 
 TENSOR_TAG = "$tensor"
@@ -213,8 +214,20 @@ def flatten(state: Any) -> Flat:
             f"state must be a dict (got {type(state).__qualname__}), e.g. "
             "{'model': model, 'optim': optimizer, 'step': step}")
     flat = Flat()
-    modules = _find_modules(state, [])
-    flat.skeleton = _flatten(state, (), flat, modules)
+    try:
+        modules = _find_modules(state, [])
+        flat.skeleton = _flatten(state, (), flat, modules)
+    except RecursionError:
+        raise UnsupportedStateError(
+            f"the state nests deeper than {fmt.MAX_NESTING} levels (too deep to walk); a "
+            "checkpoint that deep could not be loaded: flatten it") from None
+    deep = fmt.too_deep(flat.skeleton)
+    if deep is not None:  # refused here: such a checkpoint could not be loaded back
+        where = ".".join(str(k) for k in deep if not str(k).startswith("$"))
+        raise UnsupportedStateError(
+            f"the state nests deeper than {fmt.MAX_NESTING} levels (at key path "
+            f"{where[:200]!r}); a checkpoint that deep could not be loaded (DCP's loader "
+            "recurses per level): flatten it")
     return flat
 
 

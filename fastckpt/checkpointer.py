@@ -46,7 +46,9 @@ from . import format as fmt
 from ._native import get_backend
 from ._tree import flatten, is_dtensor, plan_load
 from .commit import commit
-from .errors import FastCkptError, UnsupportedStateError
+from .errors import (FastCkptError, StepRemovedError, StorageError, UnsupportedStateError,
+                     WriterLockedError)
+from .lease import WriterLease
 from .options import CheckpointOptions, options_from_env
 from .reader import FastCkptReader, find_step
 from .retention import apply_retention
@@ -104,6 +106,11 @@ def _local_chunks(tensors: dict[str, torch.Tensor]) -> tuple[list[ChunkSpec], di
         else:
             local = t.detach()
             offsets, sizes, shape = (0,) * t.dim(), tuple(t.shape), tuple(t.shape)
+        if local.is_conj() or local.is_neg():
+            # a lazily conjugated or negated view: its memory holds the unconjugated values,
+            # which a write from memory (zero-copy, the capped pool's C copy) would store as
+            # they lie. Materialise it (a new tensor: the user's stays as it is)
+            local = local.resolve_conj().resolve_neg()
         nbytes = local.numel() * local.element_size()
         specs.append(ChunkSpec(fqn, dtype, shape, offsets, sizes, nbytes, is_dtensor(t)))
         data[(fqn, offsets)] = local
@@ -144,6 +151,35 @@ def make_plan(gathered: list[dict], rank: int, step: int) -> SavePlan:
     return SavePlan(save_id=gathered[0]["save_id"], step=step, world_size=len(gathered),
                     my_chunks=tuple(mine), tensors=tensors,
                     trees=[g["tree"] for g in gathered])
+
+
+def _raise_setup_errors(gathered: list[dict], mine: BaseException | None) -> None:
+    """(all ranks, after the plan exchange) Raise if any rank could not claim the root: its own
+    error on that rank, the same kind naming the rank on the others."""
+    bad = [(r, g["setup"]) for r, g in enumerate(gathered) if g.get("setup")]
+    if not bad:
+        return
+    if mine is not None:
+        raise mine
+    r, (kind, msg) = bad[0]
+    cls = WriterLockedError if kind == WriterLockedError.__name__ else StorageError
+    raise cls(f"rank {r} cannot save: {msg}")
+
+
+def _check_user_meta(meta: dict | None) -> dict:
+    """A copy of ``user_meta`` once it is known to be JSON a manifest can hold (else the
+    checkpoint could be committed and then refused on load)."""
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise TypeError(f"user_meta must be a dict, got {type(meta).__qualname__}")
+    try:
+        data = json.dumps(meta, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ValueError(f"user_meta must be plain JSON (str keys, finite numbers): {e}") from None
+    if fmt.too_deep(meta) is not None:
+        raise ValueError(f"user_meta nests deeper than {fmt.MAX_NESTING} levels")
+    return json.loads(data)
 
 
 # ---------------------------------------------------------------------------------------- handle
@@ -203,6 +239,7 @@ _SENTINEL = object()
 
 
 WRITE_STREAMS = 2  # shard files written at once by one rank
+DISCARD_S = 10.0  # removing a failed save's files from a remote store, at most
 
 
 @dataclass
@@ -215,6 +252,7 @@ class _Job:
     pieces: queue.Queue = field(default_factory=queue.Queue)  # (piece, buffer) as staged
     cancel: threading.Event = field(default_factory=threading.Event)  # superseded: stop early
     deadline: float | None = None  # monotonic; the emergency save's commit deadline
+    files: set = field(default_factory=set)  # (coordinator) the shard files it committed
 
 
 # ------------------------------------------------------------------------------------ checkpointer
@@ -250,6 +288,7 @@ class Checkpointer:
         self._closed = False
         self._checked_root = False
         self._preempt: Any = None
+        self._lease: WriterLease | None = None  # rank 0, from the first save to close()
         if self.options.grace_s is not None or self.options.preempt:
             self._install_preemption()
         ref = weakref.ref(self)
@@ -296,9 +335,16 @@ class Checkpointer:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         t0 = time.perf_counter()
         self._drain_previous()
-        if not self._checked_root:
-            self.storage.check_writable()
-            self._checked_root = True
+        user_meta = _check_user_meta(user_meta)
+        # the root and the writer lease: failures are carried through the plan exchange, so
+        # that no rank is left waiting in it
+        setup_error: FastCkptError | None = None
+        try:
+            self._claim_root()
+        except (WriterLockedError, StorageError) as e:
+            if self.world_size == 1:
+                raise
+            setup_error = e
         error = None
         specs: list = []
         tree: Any = None
@@ -314,7 +360,10 @@ class Checkpointer:
                 raise
             error = str(e)
         gathered = _dist.all_gather_object(
-            {"save_id": uuid.uuid4().hex[:12], "specs": specs, "tree": tree, "error": error})
+            {"save_id": uuid.uuid4().hex[:12], "specs": specs, "tree": tree, "error": error,
+             "setup": None if setup_error is None else (type(setup_error).__name__,
+                                                       str(setup_error))})
+        _raise_setup_errors(gathered, setup_error)
         plan = make_plan(gathered, self.rank, step)
         cap = self.options.staging_cap_bytes
         total = sum(c.nbytes for c in plan.my_chunks)
@@ -337,7 +386,7 @@ class Checkpointer:
             self._pool.prepare([p.size for p in plan.pieces], cap, pinner=stager)
         step_dir = self.storage.join(fmt.step_dirname(step))
         handle = SaveHandle(step, step_dir)
-        job = _Job(plan, handle, step_dir, user_meta=dict(user_meta or {}), t0=t0,
+        job = _Job(plan, handle, step_dir, user_meta=user_meta, t0=t0,
                    deadline=_deadline)
         self._ensure_worker()
         self._last = handle
@@ -388,6 +437,20 @@ class Checkpointer:
         if block:
             handle.wait()
         return handle
+
+    def _claim_root(self) -> None:
+        """Before a save writes anything: the root is writable (once), and on the coordinator
+        the writer lease is held (taken at the first save) and was not taken over."""
+        if not self._checked_root:
+            self.storage.check_writable()
+            self._checked_root = True
+        if self.rank != 0:
+            return
+        if self._lease is None:
+            self._lease = WriterLease(self.storage, ttl_s=self.options.lease_ttl_s,
+                                      renew_s=self.options.lease_ttl_s / 4).acquire()
+        else:
+            self._lease.check()
 
     def _device_stager(self, data: dict) -> _device.DeviceStager | None:
         """The stager of this checkpointer's device tensors; None if ``data`` has none."""
@@ -443,7 +506,15 @@ class Checkpointer:
                 job.handle._finish(e)
 
     def _write_and_commit(self, job: _Job) -> None:
-        plan, st, d = job.plan, self.storage, job.step_dir
+        """(background) Write this rank's shards, then the commit protocol. Every call to a
+        remote store runs under the save's deadline: the write phase gets ``commit_timeout_s``
+        (an emergency save: what is left of its grace window), the commit exchange as much
+        again, so a store that stops answering fails the save instead of hanging it."""
+        plan, d = job.plan, job.step_dir
+        write_deadline = time.monotonic() + self.options.commit_timeout_s
+        if job.deadline is not None:
+            write_deadline = min(write_deadline, job.deadline)
+        st = self.storage.bounded(write_deadline)
         marker = f"{d}/{fmt.INFLIGHT_PREFIX}{plan.save_id}"
         result: dict[str, Any]
         local_exc: BaseException | None = None
@@ -473,8 +544,8 @@ class Checkpointer:
                                                 "newer save (preemption); nothing was committed")
                         while len(pending) >= WRITE_STREAMS or (pending and pending[0].done()):
                             files.append(pending.popleft().result())  # raises a write's error
-                        pending.append(ex.submit(self._write_piece, d, plan, piece, buf, hashes,
-                                                 ready))
+                        pending.append(ex.submit(self._write_piece, st, d, plan, piece, buf,
+                                                 hashes, ready))
                     while pending:
                         files.append(pending.popleft().result())
                 files.sort(key=lambda f: f["piece"])
@@ -505,28 +576,33 @@ class Checkpointer:
         try:
             commit(self._exchange, save_id=plan.save_id, rank=self.rank,
                    world_size=plan.world_size, result=result, deadline=deadline,
-                   coordinator=lambda results: self._coordinate(job, results))
+                   coordinator=lambda results: self._coordinate(
+                       job, results, self.storage.bounded(deadline)))
         except FastCkptError as e:
             self._discard(job, marker)
             if local_exc is not None and e.__cause__ is None:
                 raise e from local_exc
             raise
+        job.handle.timings["commit_s"] = time.perf_counter() - t1
+        if self.rank == 0:
+            self._housekeep(job)
         job.handle.bytes_written = plan.file_size
         job.handle.timings["write_s"] = t1 - t0
-        job.handle.timings["commit_s"] = time.perf_counter() - t1
         job.handle.timings["total_s"] = time.perf_counter() - job.t0
         if self._preempt is not None:
             self._preempt.record_save(plan.file_size, t1 - t0, job.handle.timings.get("stage_s", 0))
 
     def _discard(self, job: _Job, marker: str) -> None:
         """(background, after a failed save) Remove this rank's files of the save, so a full
-        disk is not kept full by the attempt; best effort, the next commit removes the rest."""
+        disk is not kept full by the attempt; best effort and bounded (DISCARD_S on a remote
+        store), the next commit removes the rest."""
+        st = self.storage.bounded(time.monotonic() + DISCARD_S)
         try:
             for piece in job.plan.pieces:
-                self.storage.remove(
+                st.remove(
                     f"{job.step_dir}/{fmt.shard_name(self.rank, job.plan.save_id, piece.index)}")
             if self.rank == 0:
-                self.storage.remove(marker)
+                st.remove(marker)
         except Exception as e:  # noqa: BLE001
             log.warning("fastckpt: rank %d: could not remove the failed save's files: %s",
                         self.rank, e)
@@ -537,7 +613,7 @@ class Checkpointer:
             ready.wait()
         self._pool.release(buf)
 
-    def _write_piece(self, d: str, plan: SavePlan, piece: Any, buf: memoryview,
+    def _write_piece(self, st: Storage, d: str, plan: SavePlan, piece: Any, buf: memoryview,
                      hashes: list[int] | None, ready: Any = None) -> dict:
         """(background) Write one shard file from its staged buffer, then release the buffer to
         the pool; the file's manifest entries.
@@ -558,11 +634,11 @@ class Checkpointer:
             _faults.point("mid_shard_write", self.rank)
         ranges = [(s.offset, s.spec.nbytes) for s in piece.slots]
         if gathered:  # zero-copy: from the tensors' memory and a small bounce buffer
-            hashes = self.storage.write_gathered(path, piece.size, buf.segments, buf.hash_ranges)
+            hashes = st.write_gathered(path, piece.size, buf.segments, buf.hash_ranges)
         else:
             try:
-                _, hashes = self.storage.write_shard(path, buf, piece.size, ranges,
-                                                     hashes=hashes, whole=False, sync_dir=False)
+                _, hashes = st.write_shard(path, buf, piece.size, ranges,
+                                           hashes=hashes, whole=False, sync_dir=False)
             finally:
                 self._pool.release(buf)
         chunks = [{"fqn": s.spec.fqn, "offsets": list(s.spec.offsets),
@@ -570,9 +646,10 @@ class Checkpointer:
                    "checksum": fmt.hexdigest(h)} for s, h in zip(piece.slots, hashes)]
         return {"file": name, "piece": piece.index, "size": piece.size, "chunks": chunks}
 
-    def _coordinate(self, job: _Job, results: list[dict]) -> dict:
-        """(coordinator) Write the manifest for a save every rank completed; the commit point."""
-        plan, st, d = job.plan, self.storage, job.step_dir
+    def _coordinate(self, job: _Job, results: list[dict], st: Storage) -> dict:
+        """(coordinator) Write the manifest for a save every rank completed; the commit point
+        (``st``: the storage bounded by the commit deadline)."""
+        plan, d = job.plan, job.step_dir
         files: dict[str, dict] = {}
         tensors = {fqn: {**m, "chunks": []} for fqn, m in plan.tensors.items()}
         for r, res in enumerate(results):
@@ -594,23 +671,47 @@ class Checkpointer:
             _faults.point("manifest_tmp_written", self.rank)
         st.publish(f"{d}/{fmt.MANIFEST}", data)
         _faults.point("after_manifest", self.rank)
-        # after the commit point: hints and housekeeping, none of which can undo the commit
-        try:
-            # a hint for people and scripts (fastckpt itself lists the steps): not synced
-            st.publish(st.join(fmt.LATEST), json.dumps({"step": plan.step}).encode(),
-                       durable=False)
-            keep = set(files) | {fmt.MANIFEST}
+        job.files = set(files)
+        # nothing else here: the outcome is published as soon as the manifest is (the other
+        # ranks wait only until the deadline); housekeeping runs after it (_housekeep)
+        return {"step": plan.step, "bytes": sum(f["size"] for f in files.values())}
+
+    def _housekeep(self, job: _Job) -> None:
+        """(coordinator, after the outcome was published) The ``latest`` hint, the leftovers of
+        earlier attempts at this step, retention. None of it can undo the commit; each part runs
+        even when another failed, and what failed is finished by the next save's retention or
+        by ``fastckpt gc``. An emergency save (``job.deadline``) to an object store skips
+        retention (many DELETEs would eat the grace window the ranks' final barrier needs); on
+        a local file system removal takes milliseconds and runs."""
+        st, d, plan = self.storage, job.step_dir, job.plan
+
+        def leftovers() -> None:
+            keep = job.files | {fmt.MANIFEST}
             for n in st.listdir(d):
                 if n not in keep:
                     st.remove(f"{d}/{n}")
+
+        def retention() -> None:
             _faults.point("during_retention", self.rank)
             removed = apply_retention(st, self.options.keep_last, protect={plan.step},
                                       force_partial=True)
             if removed:
                 log.info("fastckpt: retention removed steps %s", removed)
-        except Exception as e:  # the checkpoint is committed; housekeeping retries next time
-            log.warning("fastckpt: step %d committed, but cleanup failed: %s", plan.step, e)
-        return {"step": plan.step, "bytes": sum(f["size"] for f in files.values())}
+
+        parts = [
+            # a hint for people and scripts (fastckpt itself lists the steps): not synced
+            ("updating the latest hint", lambda: st.publish(
+                st.join(fmt.LATEST), json.dumps({"step": plan.step}).encode(), durable=False)),
+            ("removing leftovers of earlier attempts", leftovers),
+        ]
+        if job.deadline is None or st.is_local:
+            parts.append(("retention", retention))
+        for what, fn in parts:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - committed: retried by the next save / gc
+                log.warning("fastckpt: step %d committed, but %s failed: %s (the next save or "
+                            "`fastckpt gc` finishes it)", plan.step, what, e)
 
     # -- load ---------------------------------------------------------------------------------
     def load(self, state: dict, *, step: int | None = None, strict: bool | None = None) -> int:
@@ -658,6 +759,9 @@ class Checkpointer:
             self._queue.put(_SENTINEL)
             self._thread.join()
             self._thread = None
+        if self._lease is not None:  # after the last commit
+            self._lease.release()
+            self._lease = None
         self._pool.close()  # unpinned before they are freed
         self._pool = StagingPool()
         if self._stager is not None:
@@ -691,9 +795,32 @@ def _alloc_in_phase(body: dict, fqn: str, meta: dict) -> torch.Tensor:
     return raw[skip:skip + nbytes].view(dtype).view(shape)
 
 
+#: loads of the newest step retried when a writer's retention removed it meanwhile
+LOAD_ATTEMPTS = 3
+
+
 def load_into(storage: Storage, state: dict, *, step: int | None = None, verify: bool = True,
               strict: bool = True) -> int:
-    """(all ranks) Load a committed step into ``state`` in place; return the step."""
+    """(all ranks) Load a committed step into ``state`` in place; return the step.
+
+    ``step=None`` loads the newest committed step; if a writer removes it while it is read (its
+    retention after committing a newer one), every rank learns it in the same collective and the
+    load starts again on the new newest step (LOAD_ATTEMPTS in all). Each attempt overwrites
+    every tensor it loads, and plain values and sub-states are put back only at the end.
+    """
+    for attempt in range(1, LOAD_ATTEMPTS + 1):
+        try:
+            return _load_once(storage, state, step=step, verify=verify, strict=strict)
+        except StepRemovedError as e:
+            if step is not None or attempt == LOAD_ATTEMPTS:
+                raise
+            log.warning("fastckpt: %s; loading the newest step again (attempt %d of %d)", e,
+                        attempt + 1, LOAD_ATTEMPTS)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _load_once(storage: Storage, state: dict, *, step: int | None, verify: bool,
+               strict: bool) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -707,24 +834,28 @@ def load_into(storage: Storage, state: dict, *, step: int | None = None, verify:
         mpath = f"{d}/{fmt.MANIFEST}"
         tree = fmt.tree_for_rank(body, rank, world, file=mpath)
         meta = fmt.tensor_meta(body, file=mpath)
+        reader = FastCkptReader(storage, body=body, step_dir=d, verify=verify, rank=rank)
+        reader.check_files()  # the files really hold what the manifest says, before allocating
         plan = plan_load(state, tree, meta, strict=strict,
                          alloc=lambda fqn, m: _alloc_in_phase(body, fqn, m))
-        reader = FastCkptReader(storage, body=body, step_dir=d, verify=verify, rank=rank)
     except BaseException as e:
         err = e
     # agree before the collective read: one rank's problem must not hang the others
     statuses = _dist.all_gather_object(
-        (found_step, None if err is None else f"{type(err).__name__}: {err}"))
+        (found_step, None if err is None else f"{type(err).__name__}: {err}",
+         isinstance(err, StepRemovedError)))
+    steps = {s for s, _, _ in statuses}
+    if step is None and ((len(steps) > 1 and None not in steps)
+                         or any(removed for _, _, removed in statuses)):
+        # a writer committed (and retention removed) between the ranks' listings
+        raise StepRemovedError(f"the newest step changed while the ranks looked for it (ranks "
+                               f"found steps {sorted(map(str, steps))})", rank=rank) from err
     if err is not None:
         raise err
-    bad = [(r, m) for r, (_, m) in enumerate(statuses) if m]
+    bad = [(r, m) for r, (_, m, _) in enumerate(statuses) if m]
     if bad:
         raise FastCkptError("load failed on other ranks: " +
                             "; ".join(f"rank {r}: {m}" for r, m in bad))
-    steps = {s for s, _ in statuses}
-    if len(steps) != 1:
-        raise FastCkptError(f"ranks resolved different steps {sorted(steps)}; was the root "
-                            "written to while loading?")
     assert plan is not None and reader is not None and found_step is not None
     try:
         with warnings.catch_warnings():  # DCP warns whenever it runs without a process group
@@ -736,6 +867,9 @@ def load_into(storage: Storage, state: dict, *, step: int | None = None, verify:
         failures = {r: (x[0] if isinstance(x, tuple) else x)  # (exception, traceback)
                     for r, x in (getattr(e, "failures", {}) or {}).items()}
         mine = failures.get(rank)
+        removed = [x for x in failures.values() if isinstance(x, StepRemovedError)]
+        if removed:  # every rank sees the same failures: all retry together
+            raise (mine if isinstance(mine, StepRemovedError) else removed[0]) from None
         if isinstance(mine, FastCkptError):
             raise mine from None
         detail = "; ".join(f"rank {r}: {type(x).__name__}: {x}"
@@ -754,7 +888,7 @@ _ON_PREEMPT: dict = {}  # path -> the default Checkpointer of save(..., on_preem
 
 
 def save(state: dict, path: str | os.PathLike, *, step: int, on_preempt: bool = False,
-         **options: Any) -> SaveHandle | None:
+         user_meta: dict | None = None, **options: Any) -> SaveHandle | None:
     """Save ``state`` as step ``step`` under ``path`` and block until it is committed.
 
     ``on_preempt=True``: call it every step; it saves (and exits) only when a stop was agreed,
@@ -771,7 +905,7 @@ def save(state: dict, path: str | os.PathLike, *, step: int, on_preempt: bool = 
     # memory first (first-touch page faults cost as much as the write)
     options.setdefault("staging_cap_bytes", ONE_SHOT_STAGING_CAP)
     with Checkpointer(path, **options) as ck:
-        return ck.save(state, step=step, block=True)
+        return ck.save(state, step=step, block=True, user_meta=user_meta)
 
 
 def load(state: dict, path: str | os.PathLike, *, step: int | None = None,

@@ -276,16 +276,18 @@ def resume(root: str, cmd: tuple[str, ...], as_json: bool, do_verify: bool, quie
                                       a committed step exists (unset otherwise: a fresh
                                       start), and FASTCKPT_ROOT always
 
-    The step is the one the engine's resume loads: the newest step directory with a manifest.
-    If that manifest is damaged, nothing runs (exit 1): fix or remove that step directory.
+    The step is the one the engine's resume loads: the newest step directory with a valid
+    manifest. Newer steps whose manifest is damaged are skipped, each named in a warning on
+    stderr; if every manifest is damaged, nothing runs (exit 1).
     """
     _set_json(as_json and not cmd)
     from .tools import display_path, newest_committed, not_found_hint, step_data_bytes
     storage = _storage(root)
     rootd = display_path(storage, storage.root)
     found = None
+    skipped: list = []
     try:
-        found = newest_committed(storage)
+        found = newest_committed(storage, skipped=skipped)
     except CheckpointNotFoundError:
         if not cmd:
             why = not_found_hint(storage)
@@ -296,9 +298,11 @@ def resume(root: str, cmd: tuple[str, ...], as_json: bool, do_verify: bool, quie
             raise CliError(f"no committed checkpoint under {rootd} ({why})", EXIT_NO_CHECKPOINT,
                            hint="start fresh") from None
     except CorruptCheckpointError as e:
-        raise CliError(f"the newest step's manifest is damaged: {e}", EXIT_PROBLEM,
-                       hint="resume would fail; remove that step directory to resume from the "
-                            "previous step (fastckpt ls shows them)") from None
+        raise CliError(f"every committed step is damaged: {e}", EXIT_PROBLEM,
+                       hint="fastckpt ls shows the steps and why") from None
+    for e in skipped:
+        _echo(f"fastckpt: warning: skipped a newer step whose manifest is damaged: {e}",
+              err=True)
     if found is not None and do_verify:
         res = _run_verify(storage, found, record=True)
         if not res.ok:
@@ -337,7 +341,7 @@ def resume(root: str, cmd: tuple[str, ...], as_json: bool, do_verify: bool, quie
                     "save_id": body.get("save_id"), "created": body.get("created"),
                     "created_unix": body.get("created_unix"),
                     "world_size": body.get("world_size"), "bytes": step_data_bytes(body),
-                    "verified": bool(do_verify)})
+                    "verified": bool(do_verify), "skipped_damaged": [str(e) for e in skipped]})
     else:
         _echo(f"{step} {path}")
     return EXIT_OK
@@ -387,8 +391,9 @@ def ls_cmd(root: str, as_json: bool, grace: float | None) -> int:
     corrupt_after = [r for r in recs if r.state == "corrupt"
                      and (not committed or r.step > committed[-1].step)]
     if corrupt_after:
-        _echo(f"warning: step {corrupt_after[-1].step}'s manifest is damaged; resume will fail "
-              "until that step directory is removed", err=True)
+        then = (f"resume skips it and loads step {committed[-1].step}" if committed
+                else "there is no valid step to resume from")
+        _echo(f"warning: step {corrupt_after[-1].step}'s manifest is damaged; {then}", err=True)
     elif not committed and newest:
         _echo("no committed step: a resume starts fresh", err=True)
     return EXIT_OK
@@ -513,17 +518,21 @@ def gc(root: str, keep: int | None, yes: bool, grace: float | None, as_json: boo
     A dry run unless --yes. Never removes the newest committed step, a step that may be
     being written (recent in-flight marker or file), or a step with a damaged manifest.
     Removal deletes the manifest first: an interrupted gc leaves partial steps, never a
-    committed step with shards missing.
+    committed step with shards missing. Also removes the leftovers of committed steps (the
+    marker of a save that committed, temporary files) and, on object stores, aborts the
+    unfinished multipart uploads under ROOT older than --grace.
     """
     _set_json(as_json)
     from .retention import INFLIGHT_GRACE_S
-    from .tools import display_path, plan_gc, run_gc
+    from .tools import abort_uploads, display_path, plan_gc, run_gc, stale_uploads
     storage = _storage(root)
     g = INFLIGHT_GRACE_S if grace is None else grace
     actions = plan_gc(storage, keep, grace=g)
+    uploads = stale_uploads(storage, grace=g)
+    aborted = abort_uploads(storage, uploads) if yes else []
     doomed = [a for a in actions if a.remove]
     rootd = display_path(storage, storage.root)
-    if yes and doomed:
+    if yes and (doomed or any(a.leftovers for a in actions)):
         with _progress() as prog:
             task = prog.add_task("removing", total=len(doomed)) if prog else None
 
@@ -538,8 +547,13 @@ def gc(root: str, keep: int | None, yes: bool, grace: float | None, as_json: boo
                     "actions": [a.to_json() for a in actions],
                     "removed": [a.record.step for a in actions if a.done],
                     "would_remove": [] if yes else [a.record.step for a in doomed],
-                    "bytes": freed if yes else planned})
+                    "bytes": freed if yes else planned,
+                    "uploads": uploads, "uploads_aborted": aborted})
         return EXIT_OK
+    if uploads:
+        what = "aborted" if yes else "would abort (--yes)"
+        _echo(f"{what} {len(uploads)} unfinished multipart upload(s) older than {g:.0f} s: "
+              + ", ".join(u["url"] for u in uploads[:5]) + (" ..." if len(uploads) > 5 else ""))
     if not actions:
         _echo(f"no step directories under {rootd}", err=True)
         return EXIT_OK
@@ -547,8 +561,11 @@ def gc(root: str, keep: int | None, yes: bool, grace: float | None, as_json: boo
     for a in actions:
         act = ("removed" if a.done else "skipped" if a.skipped else
                "remove" if a.remove else "keep")
-        _add_row(t, str(a.record.step), a.record.state, _hb(a.record.size_bytes), act,
-                  a.skipped or a.reason)
+        why = a.skipped or a.reason
+        if a.leftovers:
+            n = len(a.leftovers_removed) if yes else len(a.leftovers)
+            why += f"; {n} leftover file(s) {'removed' if yes else 'to remove'}"
+        _add_row(t, str(a.record.step), a.record.state, _hb(a.record.size_bytes), act, why)
     _print_table(t)
     if not yes:
         if doomed:

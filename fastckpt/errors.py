@@ -11,9 +11,12 @@ __all__ = [
     "FastCkptError",
     "UnsupportedStateError",
     "CheckpointNotFoundError",
+    "StepRemovedError",
     "CorruptCheckpointError",
     "StateMismatchError",
     "StorageError",
+    "NotRegularFileError",
+    "WriterLockedError",
     "SaveFailedError",
     "CommitTimeoutError",
 ]
@@ -49,6 +52,11 @@ class CheckpointNotFoundError(FastCkptError, FileNotFoundError):
     """No committed checkpoint (or not the requested step) exists under the root."""
 
 
+class StepRemovedError(CheckpointNotFoundError):
+    """The step being read was removed meanwhile (retention or ``fastckpt gc`` after a newer
+    step was committed); a load of the newest step retries on the new newest one."""
+
+
 class CorruptCheckpointError(FastCkptError):
     """A manifest or shard failed validation: bad JSON, wrong size, checksum mismatch."""
 
@@ -59,6 +67,19 @@ class StateMismatchError(FastCkptError, ValueError):
 
 class StorageError(FastCkptError, OSError):
     """The storage refused an operation (unwritable root, full disk, unreachable bucket)."""
+
+
+class NotRegularFileError(StorageError):
+    """A path where fastckpt expects a regular file holds something else (a directory, a FIFO,
+    a device, a symbolic link): it is never opened or followed."""
+
+
+class WriterLockedError(FastCkptError):
+    """Another writer holds the root (see ``fastckpt.lease``); names the holder."""
+
+    def __init__(self, message: str, *, holder: dict | None = None, **kw) -> None:
+        self.holder = dict(holder or {})
+        super().__init__(message, **kw)
 
 
 class CommitTimeoutError(FastCkptError, TimeoutError):

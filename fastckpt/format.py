@@ -18,6 +18,7 @@ I/O in one pass. The manifest says where everything is.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from typing import Any
@@ -94,28 +95,285 @@ def encode_manifest(body: dict) -> bytes:
     return (json.dumps(doc, indent=1, allow_nan=False) + "\n").encode()
 
 
-def decode_manifest(data: bytes, *, file: str) -> dict:
-    """Parse and validate a manifest; raise CorruptCheckpointError naming the file."""
+#: the largest manifest read (a 100k-tensor state writes a few tens of MiB)
+MAX_MANIFEST_BYTES = 1 << 30
+#: the deepest nesting of a saved state's plain-value skeleton (and of ``user_meta``). DCP's
+#: ``read_metadata``/``flatten_state_dict`` recurse per level and fail near 490; real states
+#: (torchtitan, Lightning, HF) nest fewer than 10 levels.
+MAX_NESTING = 100
+#: the most dimensions a saved tensor may have (torch allows 64)
+MAX_NDIM = 64
+#: shard file names: what ``shard_name`` writes (no separator, no leading dot, so never ``..``)
+_FILE_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,200}" + re.escape(SHARD_SUFFIX) + "$")
+#: save ids: what the engine proposes (uuid hex); they are joined into shard and marker names
+_SAVE_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_HEX16_RE = re.compile(r"^[0-9a-f]{16}$")
+_PLAIN_TAGS = ("$tensor", "$tuple", "$dict", "$float")
+
+
+def is_safe_name(name: object) -> bool:
+    """Whether a name taken from a manifest may be joined into a path under the step directory:
+    a shard name (letters, digits, ``._-``, no separator, no leading dot, so no ``..``)."""
+    return isinstance(name, str) and bool(_FILE_RE.match(name))
+
+
+def is_save_id(sid: object) -> bool:
+    return isinstance(sid, str) and bool(_SAVE_ID_RE.match(sid))
+
+
+def decode_manifest(data: bytes, *, file: str, step: int | None = None) -> dict:
+    """Parse and validate a manifest; raise CorruptCheckpointError naming the file.
+
+    A manifest is untrusted input (checkpoints are downloaded, shared and copied; its checksum
+    detects damage, not tampering): beyond the checksum, :func:`validate_body` checks every
+    field a reader uses, so that no later step can index out of bounds, follow a path out of
+    the step directory, or allocate more than the shard files hold. ``step``: the step its
+    directory names, which the body must match.
+    """
     try:
         doc = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptCheckpointError(f"manifest is not valid JSON ({e}); the file is damaged or "
                                      "was not written by fastckpt", file=file) from e
+    except RecursionError:
+        raise CorruptCheckpointError("manifest nests deeper than a JSON parser allows; it was "
+                                     "not written by fastckpt", file=file) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-        raise CorruptCheckpointError("not a fastckpt manifest", file=file)
+        raise CorruptCheckpointError("not a fastckpt manifest (no \"format\": \"fastckpt\")",
+                                     file=file)
     ver = doc.get("format_version")
-    if not isinstance(ver, int) or ver > FORMAT_VERSION:
+    if not _is_int(ver) or ver < 1:
+        raise CorruptCheckpointError(f"manifest has no valid format_version ({ver!r}); it is "
+                                     "damaged or was not written by fastckpt", file=file)
+    if ver > FORMAT_VERSION:
         raise CorruptCheckpointError(
-            f"manifest format version {ver!r} is newer than this fastckpt reads "
+            f"manifest format version {ver} is newer than this fastckpt reads "
             f"({FORMAT_VERSION}); upgrade fastckpt", file=file)
     body = doc.get("body")
-    if not isinstance(body, dict) or doc.get("checksum") != _body_checksum(body):
+    if not isinstance(body, dict):
+        raise CorruptCheckpointError("manifest has no body", file=file)
+    try:
+        ok = doc.get("checksum") == _body_checksum(body)
+    except (RecursionError, ValueError, TypeError):
+        ok = False
+    if not ok:
         raise CorruptCheckpointError("manifest checksum mismatch: the manifest was modified or "
                                      "damaged", file=file)
+    validate_body(body, file=file, step=step)
+    return body
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def too_deep(x: object, limit: int = MAX_NESTING) -> list | None:
+    """The JSON path (keys and indices) of the first container in ``x`` nested deeper than
+    ``limit``; None when there is none. Iterative: safe on any depth."""
+    stack: list = [(x, 1)]
+    while stack:  # the common case, without building paths
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            stack.extend((c, d + 1) for c in v.values())
+        elif isinstance(v, list):
+            stack.extend((c, d + 1) for c in v)
+        else:
+            continue
+        if d > limit:
+            break
+    else:
+        return None
+    stack = [(x, 1, [])]
+    while stack:
+        v, d, path = stack.pop()
+        if isinstance(v, (dict, list)):
+            if d > limit:
+                return path
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            stack.extend((c, d + 1, path + [k]) for k, c in items)
+    return None  # pragma: no cover
+
+
+def validate_body(body: dict, *, file: str, step: int | None = None) -> None:
+    """Check every field of a manifest body a reader relies on; raise CorruptCheckpointError
+    naming the file, the tensor and the field.
+
+    After this: ``step``, ``world_size`` are ints; ``save_id`` and every file name are safe
+    names (:func:`is_safe_name`); each file's rank is in range and size >= 0; each tensor has a
+    known dtype and a shape of ints; its chunks lie inside the shape, do not overlap, cover it
+    exactly, and each lies inside its (listed) file with ``length = numel x itemsize``; the
+    plain-value trees are well-formed and nest at most MAX_NESTING levels, and every tensor they
+    reference exists. A tensor's bytes therefore fit its shape, and all tensors together fit
+    the files (so nothing larger than the files is allocated before they are checked).
+    """
+    def bad(msg: str, key: str | None = None) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"invalid manifest: {msg}", file=file, key=key)
+
     for key in ("step", "world_size", "files", "tensors", "save_id"):
         if key not in body:
-            raise CorruptCheckpointError(f"manifest lacks {key!r}", file=file)
-    return body
+            raise bad(f"lacks {key!r}")
+    if not _is_int(body["step"]) or body["step"] < 0:
+        raise bad(f"step {body['step']!r} is not a non-negative int")
+    if step is not None and body["step"] != step:
+        raise bad(f"it is in the directory of step {step} but says step {body['step']}")
+    world = body["world_size"]
+    if not _is_int(world) or not 1 <= world <= 1 << 24:
+        raise bad(f"world_size {world!r} is not a positive int")
+    if not is_save_id(body["save_id"]):
+        raise bad(f"save_id {body['save_id']!r} is not a plain id (letters, digits, _ and -)")
+    files = body["files"]
+    if not isinstance(files, dict):
+        raise bad("'files' is not a mapping")
+    for name, info in files.items():
+        if not is_safe_name(name):
+            raise bad(f"file name {name!r} is not a shard name (a path, or not *.fck)")
+        if not isinstance(info, dict) or not _is_int(info.get("size")) or info["size"] < 0:
+            raise bad(f"file {name!r} has no valid size")
+        if not _is_int(info.get("rank")) or not 0 <= info["rank"] < world:
+            raise bad(f"file {name!r} has rank {info.get('rank')!r}, not in [0, {world})")
+        if "checksum" in info and not (isinstance(info["checksum"], str)
+                                       and _HEX16_RE.match(info["checksum"])):
+            raise bad(f"file {name!r} has an invalid checksum")
+    tensors = body["tensors"]
+    if not isinstance(tensors, dict):
+        raise bad("'tensors' is not a mapping")
+    for fqn, t in tensors.items():
+        _validate_tensor(fqn, t, files, world, bad)
+    if "tree" in body:
+        trees = [body["tree"]]
+    else:
+        trees = body.get("rank_trees")
+        if not isinstance(trees, list) or len(trees) != world:
+            raise bad("has neither 'tree' nor one 'rank_trees' entry per rank")
+    for tree in trees:
+        _validate_tree(tree, tensors, bad)
+    meta = body.get("user_meta", {})
+    if not isinstance(meta, dict) or too_deep(meta) is not None:
+        raise bad(f"user_meta is not a mapping nested at most {MAX_NESTING} levels")
+
+
+def _validate_tensor(fqn: object, t: object, files: dict, world: int, bad) -> None:
+    if not isinstance(fqn, str) or not isinstance(t, dict):
+        raise bad("a tensor entry is not a mapping", key=str(fqn))
+    dtype = _DTYPES.get(t.get("dtype")) if isinstance(t.get("dtype"), str) else None
+    if dtype is None:
+        raise bad(f"unknown dtype {t.get('dtype')!r}", key=fqn)
+    shape = t.get("shape")
+    if (not isinstance(shape, list) or len(shape) > MAX_NDIM
+            or not all(_is_int(n) and n >= 0 for n in shape)):
+        raise bad(f"shape {shape!r} is not a list of non-negative ints", key=fqn)
+    chunks = t.get("chunks")
+    if not isinstance(chunks, list):
+        raise bad("'chunks' is not a list", key=fqn)
+    isz = dtype.itemsize
+    covered = 0
+    boxes = []
+    for c in chunks:
+        if not isinstance(c, dict):
+            raise bad("a chunk is not a mapping", key=fqn)
+        offs, sizes = c.get("offsets"), c.get("sizes")
+        if (not isinstance(offs, list) or not isinstance(sizes, list)
+                or len(offs) != len(shape) or len(sizes) != len(shape)
+                or not all(_is_int(v) for v in offs + sizes)):
+            raise bad(f"chunk offsets {offs!r} / sizes {sizes!r} do not match the shape "
+                      f"{shape}", key=fqn)
+        if any(o < 0 or s < 0 or o + s > n for o, s, n in zip(offs, sizes, shape)):
+            raise bad(f"chunk {offs}+{sizes} lies outside the shape {shape}", key=fqn)
+        numel = math.prod(sizes)
+        name = c.get("file")
+        if not isinstance(name, str) or name not in files:
+            raise bad(f"chunk {offs} is in file {name!r}, which the manifest does not list",
+                      key=fqn)
+        off, length = c.get("offset"), c.get("length")
+        if not _is_int(off) or off < 0:
+            raise bad(f"chunk {offs} has byte offset {off!r}", key=fqn)
+        if length != numel * isz or not _is_int(length):
+            raise bad(f"chunk {offs}+{sizes} has length {length!r}; {numel} x {isz} bytes is "
+                      f"{numel * isz}", key=fqn)
+        if off + length > files[name]["size"]:
+            raise bad(f"chunk {offs} ends at byte {off + length} of {name}, past its recorded "
+                      f"size {files[name]['size']}", key=fqn)
+        if not _is_int(c.get("rank")) or not 0 <= c["rank"] < world:
+            raise bad(f"chunk {offs} has rank {c.get('rank')!r}", key=fqn)
+        if not isinstance(c.get("checksum"), str) or not _HEX16_RE.match(c["checksum"]):
+            raise bad(f"chunk {offs} has an invalid checksum {c.get('checksum')!r}", key=fqn)
+        if numel:
+            covered += numel
+            boxes.append((offs, sizes))
+    want = math.prod(shape)
+    if covered != want:
+        raise bad(f"the chunks hold {covered} of the tensor's {want} elements", key=fqn)
+    overlap = _first_overlap(boxes)
+    if overlap is not None:
+        (a, sa), (b, sb) = overlap
+        raise bad(f"chunks {a}+{sa} and {b}+{sb} overlap", key=fqn)
+
+
+def _first_overlap(boxes: list) -> tuple | None:
+    """Two boxes that share an element, or None: a sweep along the dimension with the most
+    distinct chunk starts (dim 0 for FSDP shards and row pieces) compares only boxes whose
+    ranges along it meet."""
+    if len(boxes) < 2:
+        return None
+    ndim = len(boxes[0][0])
+    if ndim == 0:
+        return boxes[0], boxes[1]  # 0-d: one element, so two non-empty chunks overlap
+    dim = max(range(ndim), key=lambda d: len({b[0][d] for b in boxes}))
+    order = sorted(boxes, key=lambda b: b[0][dim])
+    active: list = []
+    for b in order:
+        lo = b[0][dim]
+        active = [a for a in active if a[0][dim] + a[1][dim] > lo]
+        for a in active:
+            if all(ao < bo + bs and bo < ao + as_
+                   for ao, as_, bo, bs in zip(a[0], a[1], b[0], b[1])):
+                return a, b
+        active.append(b)
+    return None
+
+
+def _validate_tree(tree: object, tensors: dict, bad) -> None:
+    """A plain-value skeleton (see fastckpt._tree): JSON values, tagged tuples, non-string
+    keys, non-finite floats and tensor references; iterative, depth-limited."""
+    stack = [(tree, 1, False)]
+    while stack:
+        x, depth, is_key = stack.pop()
+        if isinstance(x, list):
+            if depth > MAX_NESTING:
+                raise bad(f"the saved state nests deeper than {MAX_NESTING} levels")
+            stack.extend((v, depth + 1, is_key) for v in x)
+            continue
+        if not isinstance(x, dict):
+            continue  # str, int, float, bool, None
+        if depth > MAX_NESTING:
+            raise bad(f"the saved state nests deeper than {MAX_NESTING} levels")
+        tags = [k for k in x if k.startswith("$")]
+        if not tags:
+            if is_key:
+                raise bad("a dict key encodes a mapping")
+            stack.extend((v, depth + 1, False) for v in x.values())
+            continue
+        tag = tags[0]
+        if len(x) != 1 or tag not in _PLAIN_TAGS:
+            raise bad(f"malformed tagged value {sorted(x)[:4]}")
+        v = x[tag]
+        if tag == "$tensor":
+            if is_key or not isinstance(v, str) or v not in tensors:
+                raise bad(f"reference to a tensor {v!r} the manifest does not hold")
+        elif tag == "$float":
+            if v not in ("nan", "inf", "-inf"):
+                raise bad(f"malformed float {v!r}")
+        elif tag == "$tuple":
+            if not isinstance(v, list):
+                raise bad("malformed tuple")
+            stack.extend((c, depth + 1, is_key) for c in v)
+        else:  # $dict: [[key, value], ...]
+            if is_key or not isinstance(v, list) or not all(
+                    isinstance(p, list) and len(p) == 2 for p in v):
+                raise bad("malformed mapping with non-string keys")
+            for k, val in v:
+                stack.append((k, depth + 1, True))
+                stack.append((val, depth + 1, False))
 
 
 def new_manifest_body(*, step: int, world_size: int, save_id: str, files: dict,

@@ -12,6 +12,9 @@ class CheckpointOptions:
 
     keep_last: after each commit keep only the newest N committed steps (None: keep all).
     commit_timeout_s: the deadline for all ranks to report and for the commit decision.
+    lease_ttl_s: the writer lease of the root (fastckpt/lease.py) expires this long after its
+        holder last renewed it (every lease_ttl_s / 4); a crashed holder's lease is taken over
+        at once on the same host or by a later run of the same job, else after this long.
     native: "auto" (native I/O if built), "require" (fail if not built), "off" (pure Python).
     direct_io: use O_DIRECT for local shard files when the file system supports it.
     zero_copy: blocking saves (``save(..., block=True)``, one-off ``fastckpt.save``) on a local
@@ -48,6 +51,7 @@ class CheckpointOptions:
     """
 
     keep_last: int | None = None
+    lease_ttl_s: float = 60.0
     commit_timeout_s: float = 600.0
     native: str = "auto"
     direct_io: bool = True
@@ -70,6 +74,8 @@ class CheckpointOptions:
         if self.keep_last is not None and (not isinstance(self.keep_last, int)
                                            or self.keep_last < 1):
             raise ValueError(f"keep_last must be a positive int or None, got {self.keep_last!r}")
+        if not (self.lease_ttl_s >= 1):
+            raise ValueError(f"lease_ttl_s must be >= 1 second, got {self.lease_ttl_s!r}")
         if not (self.commit_timeout_s > 0):
             raise ValueError(f"commit_timeout_s must be > 0, got {self.commit_timeout_s!r}")
         if self.staging_cap_bytes is not None and self.staging_cap_bytes < 0:

@@ -13,7 +13,9 @@ checkpoint with ``dcp.load(state_dict, storage_reader=FastCkptReader(root))``.
 
 from __future__ import annotations
 
+import errno
 import io
+import logging
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -31,14 +33,23 @@ from . import _device
 from . import format as fmt
 from ._native import _address, _raw_view, aligned_buffer, get_backend
 from ._tree import decode_value
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .errors import (CheckpointNotFoundError, CorruptCheckpointError, NotRegularFileError,
+                     StepRemovedError, StorageError)
 from .storage import Storage, open_storage
 
 
 # ------------------------------------------------------------------------------- finding steps
 
+log = logging.getLogger("fastckpt")
+
+#: full scans of a root that keeps changing before ``find_step`` gives up (with an error that
+#: is not "no checkpoint": a job script must never start fresh because a writer was busy)
+MAX_SCANS = 20
+
+
 def list_steps(storage: Storage) -> list[tuple[int, str]]:
-    """(step, directory) of every step directory under the root, ascending."""
+    """(step, directory) of every step directory under the root, ascending (links inside a
+    local root are left out: see fastckpt/storage/local.py)."""
     out = []
     for name in storage.listdir(storage.root):
         s = fmt.parse_step_dirname(name)
@@ -47,33 +58,100 @@ def list_steps(storage: Storage) -> list[tuple[int, str]]:
     return sorted(out)
 
 
-def read_manifest(storage: Storage, step_dir: str) -> dict | None:
-    """The validated manifest body of a step directory, None if it has no manifest."""
+def read_manifest(storage: Storage, step_dir: str, *, step: int | None = None) -> dict | None:
+    """The validated manifest body of a step directory; None if it has no manifest (or it was
+    removed between the stat and the read). CorruptCheckpointError when it is damaged, crafted,
+    too large, or not a regular file; StorageError when the storage cannot be read."""
     path = f"{step_dir}/{fmt.MANIFEST}"
-    if storage.size(path) is None:
-        return None
-    return fmt.decode_manifest(storage.read_bytes(path), file=path)
+    try:
+        n = storage.size(path)
+        if n is None:
+            return None
+        if n > fmt.MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(f"manifest is {n} bytes, more than the "
+                                         f"{fmt.MAX_MANIFEST_BYTES} fastckpt reads", file=path)
+        data = storage.read_bytes(path)
+    except NotRegularFileError as e:
+        raise CorruptCheckpointError(f"the manifest is not a regular file ({e})",
+                                     file=path) from None
+    except StorageError as e:
+        if _is_missing(e):  # removed since the stat: retention or gc
+            return None
+        raise
+    return fmt.decode_manifest(data, file=path, step=step)
 
 
-def find_step(storage: Storage, step: int | None = None) -> tuple[int, str, dict]:
-    """The requested step, or the newest step with a manifest; raise CheckpointNotFoundError.
+def _is_missing(e: BaseException) -> bool:
+    return (getattr(e, "errno", None) == errno.ENOENT
+            or isinstance(e.__cause__, FileNotFoundError))
 
-    A corrupt manifest raises CorruptCheckpointError naming it (it is never skipped silently);
-    the ``latest`` hint is not consulted: the listing decides.
+
+def find_step(storage: Storage, step: int | None = None, *,
+              skipped: list | None = None) -> tuple[int, str, dict]:
+    """The requested step, or the newest step with a valid manifest.
+
+    ``step=None``: a step whose manifest is damaged is skipped with a warning naming it (and
+    appended to ``skipped``) so that one bad step never stops a resume; CorruptCheckpointError
+    only when damaged manifests are all there is. The ``latest`` hint is not consulted: the
+    listing decides. Safe against a writer committing and removing steps meanwhile (retention
+    after each commit): a pass newest-first that finds nothing is confirmed by a pass
+    oldest-first and a second listing. In an oldest-first pass that misses, every committed step
+    it listed was removed before it was read, which retention does only after committing a
+    newer step; the newest committed step is never removed, so it is in the second listing and
+    not in the first, and the scan runs again. So CheckpointNotFoundError means there was an
+    instant with no committed step, never "a writer was busy".
+
+    ``step=N``: that step or CheckpointNotFoundError; a damaged manifest raises
+    CorruptCheckpointError naming it.
     """
     if step is not None:
         d = storage.join(fmt.step_dirname(step))
-        body = read_manifest(storage, d)
+        body = read_manifest(storage, d, step=step)
         if body is None:
             raise CheckpointNotFoundError(f"step {step} has no committed checkpoint under "
                                           f"{storage.root}", file=d)
         return step, d, body
-    steps = list_steps(storage)
-    for s, d in reversed(steps):
-        body = read_manifest(storage, d)
-        if body is not None:
-            return s, d, body
-    what = f"{len(steps)} step directories, none committed" if steps else "nothing"
+    bad: dict[int, CorruptCheckpointError] = {}
+
+    def scan(listing: list, newest_first: bool) -> tuple[int, str, dict] | None:
+        hit = None
+        for s, d in (reversed(listing) if newest_first else listing):
+            try:
+                body = read_manifest(storage, d, step=s)
+            except CorruptCheckpointError as e:
+                bad[s] = e
+                continue
+            if body is not None:
+                bad.pop(s, None)
+                hit = (s, d, body)
+                if newest_first:
+                    break
+        return hit
+
+    for _ in range(MAX_SCANS):
+        listing = list_steps(storage)
+        hit = scan(listing, True)
+        if hit is None:
+            listing = list_steps(storage)
+            hit = scan(listing, False)
+        if hit is not None:
+            newer = sorted(s for s in bad if s > hit[0])
+            for s in newer:
+                log.warning("fastckpt: skipping step %d, its manifest is damaged (%s); the "
+                            "newest valid step is %d", s, bad[s], hit[0])
+                if skipped is not None:
+                    skipped.append(bad[s])
+            return hit
+        again = {s for s, _ in list_steps(storage)}
+        if again <= {s for s, _ in listing}:
+            break
+    else:
+        raise StorageError(f"the root kept changing over {MAX_SCANS} scans (steps committed "
+                           "and removed faster than they could be listed); try again",
+                           file=storage.root)
+    if bad:  # damaged manifests are all there is: the newest one's error (file, tensor)
+        raise bad[max(bad)]
+    what = f"{len(listing)} step directories, none committed" if listing else "nothing"
     raise CheckpointNotFoundError(f"no committed checkpoint under {storage.root} ({what})")
 
 
@@ -197,7 +275,8 @@ class FastCkptReader(StorageReader):
                     if loader is not None and backend.is_device(target):
                         loader.copy(target, src)  # the buffer waits for it before reuse
                     elif (target.device.type == "cpu" and target.dtype == src.dtype
-                            and target.is_contiguous() and src.is_contiguous()):
+                            and target.is_contiguous() and src.is_contiguous()
+                            and not target.is_conj() and not target.is_neg()):
                         # one thread, GIL released (torch's copy_ leaves its OpenMP threads
                         # spinning after every call, which cost more CPU than the copy here)
                         self._io.copy(target.data_ptr(), src.data_ptr(),
@@ -224,6 +303,7 @@ class FastCkptReader(StorageReader):
         req, fqn, c, t = reqs[0]
         n = int(c["length"])
         return (n >= DIRECT_MIN and t.device.type == "cpu" and t.is_contiguous()
+                and not t.is_conj() and not t.is_neg() and t.numel() * t.element_size() == n
                 and list(t.shape) == list(c["sizes"])
                 and not any(req.storage_offsets) and list(req.lengths) == list(c["sizes"])
                 and t.dtype == fmt.dtype_from_name(self.body["tensors"][fqn]["dtype"],
@@ -309,8 +389,10 @@ class FastCkptReader(StorageReader):
             for _ in items:
                 it, buf, h, err = ready.get()
                 if err is not None:
-                    if isinstance(err, CorruptCheckpointError):
+                    if isinstance(err, (CorruptCheckpointError, StepRemovedError)):
                         raise err
+                    if _is_missing(err):
+                        self._raise_if_removed()
                     raise CorruptCheckpointError(
                         f"cannot read {it.length} bytes: {err}", file=f"{self.step_dir}/{it.file}",
                         offset=it.start, rank=self.rank) from err
@@ -352,6 +434,13 @@ class FastCkptReader(StorageReader):
         io_backend = getattr(self.storage, "io", None)
         return io_backend if io_backend is not None else get_backend("auto")
 
+    def check_files(self) -> None:
+        """Check every shard file the manifest lists (present, a regular file, of the recorded
+        size) before anything is allocated or read: the validated manifest's tensors fit its
+        files, so after this they fit what is really there."""
+        for name in sorted(self.body["files"]):
+            self._check_file(name)
+
     def _check_file(self, name: str) -> str:
         path = f"{self.step_dir}/{name}"
         if name not in self._checked_files:
@@ -359,8 +448,13 @@ class FastCkptReader(StorageReader):
             if info is None:
                 raise CorruptCheckpointError("manifest references a file it does not list",
                                              file=path, rank=self.rank)
-            size = self.storage.size(path)
+            try:
+                size = self.storage.size(path)
+            except NotRegularFileError as e:
+                raise CorruptCheckpointError(f"the shard is not a regular file ({e})",
+                                             file=path, rank=self.rank) from None
             if size is None:
+                self._raise_if_removed()
                 raise CorruptCheckpointError("shard file is missing", file=path, rank=self.rank)
             if size != info["size"]:
                 raise CorruptCheckpointError(
@@ -369,6 +463,18 @@ class FastCkptReader(StorageReader):
                     file=path, rank=self.rank, offset=min(size, info["size"]))
             self._checked_files.add(name)
         return path
+
+    def _raise_if_removed(self) -> None:
+        """StepRemovedError if this step's manifest is gone or belongs to another save now
+        (retention or gc removed the step while it was read)."""
+        try:
+            now = read_manifest(self.storage, self.step_dir)
+        except (CorruptCheckpointError, StorageError):
+            return
+        if now is None or now.get("save_id") != self.body["save_id"]:
+            raise StepRemovedError(f"step {self.step} was removed while it was being read "
+                                   "(a newer step was committed and retention or gc removed "
+                                   "this one)", file=self.step_dir, rank=self.rank)
 
     def _plain_values(self) -> dict[str, Any]:
         """Plain (non-tensor) leaves under DCP's flattened names, for ``dcp.load`` users."""

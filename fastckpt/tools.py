@@ -51,7 +51,7 @@ __all__ = [
     "VERIFIED_PREFIX", "VERIFY_FAILED_PREFIX", "StepRecord", "Problem", "VerifyResult",
     "GcAction", "as_storage", "display_path", "describe_steps", "newest_committed",
     "verify_step", "inspect_step", "plan_gc", "run_gc", "parse_size", "human_bytes",
-    "step_data_bytes", "not_found_hint",
+    "step_data_bytes", "not_found_hint", "stale_uploads", "abort_uploads",
 ]
 
 VERIFIED_PREFIX = ".verified-"
@@ -163,7 +163,10 @@ def _mtime_of(info: dict) -> float | None:
 
 
 def _read_json(storage: Storage, path: str) -> dict | None:
+    """A small JSON file (a marker), None if it is unreadable or not a mapping."""
     try:
+        if (storage.size(path) or 0) > 1 << 20:
+            return None
         doc = json.loads(storage.read_bytes(path))
         return doc if isinstance(doc, dict) else None
     except Exception:
@@ -197,6 +200,9 @@ class StepRecord:
     inflight_since: float | None = None
     modified_unix: float | None = None
     error: str | None = None
+    #: names in the step directory left by a save that committed or a publish that was
+    #: interrupted (``gc`` removes them from a step it keeps)
+    leftovers: list = field(default_factory=list)
     _dir: str = field(default="", repr=False)
 
     @property
@@ -212,27 +218,45 @@ class StepRecord:
 
 
 def _describe_one(storage: Storage, step: int, d: str, now: float, grace: float) -> StepRecord:
-    ents = _entries(storage, d)
     rec = StepRecord(step=step, path=display_path(storage, d), state="partial", _dir=d)
+    try:
+        ents = _entries(storage, d)
+    except StorageError as e:  # this step only: the others are still listed
+        rec.state, rec.error = "corrupt", str(e)
+        return rec
     rec.size_bytes = sum(s or 0 for s, _ in ents.values())
     rec.files = sum(1 for n in ents if n.endswith(fmt.SHARD_SUFFIX))
     mtimes = [m for _, m in ents.values() if m is not None]
+    if storage.is_local:  # a directory a save just created, before its marker is written
+        try:
+            mtimes.append(os.lstat(d).st_mtime)
+        except OSError:
+            pass
     rec.modified_unix = max(mtimes) if mtimes else None
-    for n in ents:
+    body = None
+    if fmt.MANIFEST in ents:
+        try:
+            body = read_manifest(storage, d, step=step)  # None: removed since the listing
+        except CorruptCheckpointError as e:
+            rec.state, rec.error = "corrupt", str(e)
+        except StorageError as e:
+            rec.state, rec.error = "corrupt", f"cannot read the manifest: {e}"
+    committed_sid = body.get("save_id") if body is not None else None
+    for n, (_, mtime) in ents.items():
         if n.startswith(fmt.INFLIGHT_PREFIX):
+            if n == f"{fmt.INFLIGHT_PREFIX}{committed_sid}":  # that save committed: debris
+                rec.leftovers.append(n)
+                continue
             doc = _read_json(storage, f"{d}/{n}") or {}
             try:
                 t = float(doc["created_unix"])
             except Exception:
                 t = 0.0
             rec.inflight_since = t if rec.inflight_since is None else max(rec.inflight_since, t)
-    body = None
-    if fmt.MANIFEST in ents:
-        try:
-            body = read_manifest(storage, d)  # None: removed since the listing
-        except CorruptCheckpointError as e:
-            rec.state, rec.error = "corrupt", str(e)
-            return rec
+        elif ".tmp-" in n and (mtime is None or now - mtime >= grace):
+            rec.leftovers.append(n)  # a temporary file of an interrupted publish
+    if rec.state == "corrupt":
+        return rec
     if body is not None:
         rec.state = "committed"
         rec.created_unix = body.get("created_unix")
@@ -274,12 +298,14 @@ def describe_steps(root: str | Storage, *, grace: float = INFLIGHT_GRACE_S,
     return recs
 
 
-def newest_committed(root: str | Storage) -> tuple[int, str, dict]:
+def newest_committed(root: str | Storage, *, skipped: list | None = None
+                     ) -> tuple[int, str, dict]:
     """(step, step directory, manifest body) of what a resume loads: the newest step with a
-    manifest (the engine's rule, :func:`fastckpt.reader.find_step`). Raises
-    CheckpointNotFoundError when there is none and CorruptCheckpointError when that manifest
+    valid manifest (the engine's rule, :func:`fastckpt.reader.find_step`; newer steps with a
+    damaged manifest are skipped and their errors appended to ``skipped``). Raises
+    CheckpointNotFoundError when there is none and CorruptCheckpointError when every manifest
     is damaged."""
-    return find_step(as_storage(root))
+    return find_step(as_storage(root), skipped=skipped)
 
 
 def step_data_bytes(body: dict) -> int:
@@ -350,58 +376,24 @@ def _itemsize(dtype_name: str) -> int | None:
         return None
 
 
-def _check_manifest(body: dict, mpath: str) -> tuple[list[Problem], dict[str, list]]:
-    """Internal consistency of a manifest; returns problems and file -> [(fqn, chunk)]."""
+def _check_manifest(body: dict) -> tuple[list[Problem], dict[str, list]]:
+    """What the manifest's validation (``format.validate_body``: every chunk inside its tensor
+    and its file, tensors covered exactly) leaves to verify: chunks of different tensors that
+    share bytes of a file. Returns the problems and file -> [(fqn, chunk)] in file order."""
     problems: list[Problem] = []
     by_file: dict[str, list] = {name: [] for name in body["files"]}
     for fqn, t in body["tensors"].items():
-        isz = _itemsize(t.get("dtype", ""))
-        shape = list(t.get("shape", []))
-        if isz is None:
-            problems.append(Problem("manifest", f"unknown dtype {t.get('dtype')!r}", file=mpath,
-                                    tensor=fqn))
-            continue
-        covered = 0
-        for c in t.get("chunks", []):
-            name = c.get("file")
-            sizes = list(c.get("sizes", []))
-            offs = list(c.get("offsets", []))
-            numel = math.prod(sizes) if sizes else 1
-            covered += numel
-            if len(sizes) != len(shape) or len(offs) != len(shape) or any(
-                    o < 0 or o + s > n for o, s, n in zip(offs, sizes, shape)):
-                problems.append(Problem("manifest", f"chunk {offs}+{sizes} lies outside the "
-                                        f"tensor's shape {shape}", file=mpath, tensor=fqn))
-            if int(c.get("length", -1)) != numel * isz:
-                problems.append(Problem("manifest", f"chunk {offs} has length {c.get('length')}, "
-                                        f"its shape {sizes} needs {numel * isz}", file=mpath,
-                                        tensor=fqn))
-                continue
-            if numel == 0:
-                continue
-            if name not in body["files"]:
-                problems.append(Problem("manifest", f"chunk {offs} is in file {name!r}, which the "
-                                        "manifest does not list", file=mpath, tensor=fqn))
-                continue
-            end = int(c["offset"]) + int(c["length"])
-            if end > int(body["files"][name]["size"]):
-                problems.append(Problem("manifest", f"chunk {offs} ends at byte {end}, past the "
-                                        f"file's recorded size {body['files'][name]['size']}",
-                                        file=name, tensor=fqn))
-                continue
-            by_file[name].append((fqn, c))
-        want = math.prod(shape) if shape else 1
-        if covered != want:
-            problems.append(Problem("manifest", f"chunks hold {covered} of the tensor's {want} "
-                                    "elements", file=mpath, tensor=fqn))
+        for c in t["chunks"]:
+            if c["length"]:
+                by_file[c["file"]].append((fqn, c))
     for name, chunks in by_file.items():
-        chunks.sort(key=lambda fc: int(fc[1]["offset"]))
+        chunks.sort(key=lambda fc: fc[1]["offset"])
         prev_end, prev = 0, None
         for fqn, c in chunks:
-            if int(c["offset"]) < prev_end:
+            if c["offset"] < prev_end:
                 problems.append(Problem("manifest", f"chunk overlaps tensor {prev!r}'s bytes",
-                                        file=name, tensor=fqn, offset=int(c["offset"])))
-            prev_end, prev = max(prev_end, int(c["offset"]) + int(c["length"])), fqn
+                                        file=name, tensor=fqn, offset=c["offset"]))
+            prev_end, prev = max(prev_end, c["offset"] + c["length"]), fqn
     return problems, by_file
 
 
@@ -537,9 +529,8 @@ def verify_step(root: str | Storage, step: int | None = None, *, jobs: int = 4,
     storage = as_storage(root)
     t0 = time.perf_counter()
     step, d, body = found if found is not None else find_step(storage, step)
-    mpath = f"{d}/{fmt.MANIFEST}"
     res = VerifyResult(step=step, path=display_path(storage, d), save_id=body.get("save_id"))
-    problems, by_file = _check_manifest(body, display_path(storage, mpath))
+    problems, by_file = _check_manifest(body)
     res.problems.extend(problems)
     lock = threading.Lock()
 
@@ -713,16 +704,25 @@ def inspect_step(root: str | Storage, step: int | None = None, *,
 
 @dataclass
 class GcAction:
+    """One step directory in a clean-up: removed whole, or kept; a kept committed step may
+    still have ``leftovers`` removed (the in-flight marker of a save that committed, temporary
+    files of an interrupted publish)."""
     record: StepRecord
     remove: bool
     reason: str
     done: bool = False
     skipped: str | None = None
+    leftovers_removed: list = field(default_factory=list)
+
+    @property
+    def leftovers(self) -> list:
+        return [] if self.remove or not self.record.committed else list(self.record.leftovers)
 
     def to_json(self) -> dict:
         return {"step": self.record.step, "path": self.record.path, "state": self.record.state,
                 "size_bytes": self.record.size_bytes, "remove": self.remove,
-                "reason": self.reason, "removed": self.done, "skipped": self.skipped}
+                "reason": self.reason, "removed": self.done, "skipped": self.skipped,
+                "leftovers": self.leftovers, "leftovers_removed": self.leftovers_removed}
 
 
 def _age(now: float, t: float | None) -> str:
@@ -797,6 +797,12 @@ def run_gc(root: str | Storage, actions: list[GcAction], *, grace: float = INFLI
     storage = as_storage(root)
     for a in actions:
         if not a.remove:
+            if a.leftovers:
+                fresh = _describe_one(storage, a.record.step, a.record._dir, time.time(), grace)
+                if fresh.committed and fresh.save_id == a.record.save_id:
+                    for n in sorted(set(a.leftovers) & set(fresh.leftovers)):
+                        storage.remove(f"{a.record._dir}/{n}")
+                        a.leftovers_removed.append(n)
             continue
         now = time.time()
         fresh = _describe_one(storage, a.record.step, a.record._dir, now, grace)
@@ -812,6 +818,28 @@ def run_gc(root: str | Storage, actions: list[GcAction], *, grace: float = INFLI
         if progress:
             progress(a)
     return actions
+
+
+def stale_uploads(root: str | Storage, *, grace: float = INFLIGHT_GRACE_S,
+                  now: float | None = None) -> list[dict]:
+    """Unfinished multipart uploads under the root (object stores) begun more than ``grace``
+    seconds ago: a save that was killed, or whose abort failed because the store stopped
+    answering (the engine logs those and says "fastckpt gc aborts it"). Each is
+    ``{"url", "key", "upload_id", "initiated_unix"}``; younger ones may be a save in flight."""
+    storage = as_storage(root)
+    now = time.time() if now is None else now
+    return [u for u in storage.incomplete_uploads()
+            if now - float(u.get("initiated_unix") or 0.0) >= grace]
+
+
+def abort_uploads(root: str | Storage, uploads: list[dict]) -> list[dict]:
+    """Abort the given unfinished uploads (from :func:`stale_uploads`); the ones aborted."""
+    storage = as_storage(root)
+    done = []
+    for u in uploads:
+        storage.abort_upload(u)
+        done.append(u)
+    return done
 
 
 def not_found_hint(storage: Storage) -> str:

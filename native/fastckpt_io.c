@@ -774,15 +774,19 @@ static PyObject *py_read_into(PyObject *self, PyObject *args, PyObject *kw) {
     Py_BEGIN_ALLOW_THREADS
     int fd = -1;
     struct stat st;
+    /* O_NOFOLLOW: never through a link; O_NONBLOCK: a FIFO in place of a shard does not
+     * block the open (no effect on regular files); then only a regular file is read */
     if (use_direct) {
-        fd = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+        fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_DIRECT);
         if (fd < 0 && errno == EINVAL) use_direct = 0;
     }
-    if (fd < 0 && !use_direct) fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0 && !use_direct) fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
     if (fd < 0) {
         oerr = errno; owhat = "opening"; owith_off = 0;
     } else if (fstat(fd, &st) != 0) {
         oerr = errno; owhat = "stat of"; owith_off = 0;
+    } else if (!S_ISREG(st.st_mode)) {
+        oerr = EINVAL; owhat = "opening (not a regular file)"; owith_off = 0;
     } else if ((long long)st.st_size < file_offset + (long long)nbytes) {
         eof = 1;
         fsize = (long long)st.st_size;

@@ -31,7 +31,7 @@ class S3Env:
     endpoint: str
     bucket: str
     storage_options: dict
-    fs: object  # s3fs.S3FileSystem (the same cached instance FsspecStorage opens)
+    fs: object  # an s3fs.S3FileSystem on the server (fastckpt opens its own, with its client settings)
     env: dict = field(default_factory=dict)
     guard: "_LoopbackGuard | None" = None
 

@@ -69,9 +69,11 @@ def _manifest(root: str, step: int) -> dict:
 
 
 def _age(path: str) -> None:
+    """An abandoned step: its files and its directory untouched for hours."""
     for d, _, names in os.walk(path):
         for n in names:
             os.utime(os.path.join(d, n), (OLD, OLD))
+        os.utime(d, (OLD, OLD))
 
 
 def _snapshot(root: str) -> list:
@@ -381,10 +383,22 @@ def test_info_json(capsys):
     assert (doc["native_error"] is None) == doc["native_available"]
 
 
-def test_resume_damaged_newest_manifest(roots, capsys):
+def test_resume_damaged_newest_manifest(roots, capsys, tmp_path):
+    # one bad step does not stop a resume: the newest valid one is used, the bad one named
     rc, out, err = call("resume", roots["corrupt"], capsys=capsys)
-    assert rc == 1 and "damaged" in err and fmt.MANIFEST in err and out == ""
+    assert rc == 0 and out.split()[0] == "200"
+    assert "damaged" in err and fmt.step_dirname(300) in err and fmt.MANIFEST in err
     rc, out, _ = call("resume", roots["corrupt"], "--json", capsys=capsys)
+    doc = json.loads(out)
+    assert rc == 0 and doc["step"] == 200 and fmt.step_dirname(300) in doc["skipped_damaged"][0]
+    # every manifest damaged: nothing runs, exit 1 (not 3: nothing says "start fresh")
+    only = str(tmp_path / "only")
+    os.makedirs(os.path.join(only, fmt.step_dirname(300)))
+    shutil.copy(os.path.join(roots["corrupt"], fmt.step_dirname(300), fmt.MANIFEST),
+                os.path.join(only, fmt.step_dirname(300), fmt.MANIFEST))
+    rc, out, err = call("resume", only, capsys=capsys)
+    assert rc == 1 and "damaged" in err and out == ""
+    rc, out, _ = call("resume", only, "--json", capsys=capsys)
     assert rc == 1 and json.loads(out)["exit_code"] == 1
     rc, out, _ = call("ls", roots["corrupt"], "--json", capsys=capsys)
     states = {s["step"]: s["state"] for s in json.loads(out)["steps"]}

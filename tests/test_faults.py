@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -57,7 +58,7 @@ def test_truncated_shard_is_detected(root):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "empty"])
-def test_damaged_manifest_is_detected(root, damage):
+def test_damaged_manifest_is_detected(root, damage, caplog):
     fastckpt.save(state_for(1, 1), root, step=1)
     fastckpt.save(state_for(2, 1), root, step=2)
     path = os.path.join(root, "step-0000000002", "manifest.json")
@@ -70,12 +71,17 @@ def test_damaged_manifest_is_detected(root, damage):
     else:
         data = bytearray()
     open(path, "wb").write(bytes(data))
+    # asked for by number: the error names the manifest
     with pytest.raises(fastckpt.CorruptCheckpointError) as ei:
-        fastckpt.load(blank(1), root)
+        fastckpt.load(blank(1), root, step=2)
     assert "manifest.json" in str(ei.value) and "step-0000000002" in str(ei.value)
-    # the older step is still there and loads when asked for explicitly
+    # the newest: one bad step does not stop a resume; it is skipped loudly, naming it
     st = blank(1)
-    assert fastckpt.load(st, root, step=1) == 1 and torch.equal(st["w"], state_for(1, 1)["w"])
+    with caplog.at_level(logging.WARNING, logger="fastckpt"):
+        assert fastckpt.load(st, root) == 1
+    assert torch.equal(st["w"], state_for(1, 1)["w"])
+    assert any("skipping step 2" in r.getMessage() and "step-0000000002" in r.getMessage()
+               for r in caplog.records)
 
 
 # ------------------------------------------------------------------------------------- bad input

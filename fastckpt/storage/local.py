@@ -1,14 +1,45 @@
-"""Local file systems: direct I/O shard writes, fsync, atomic rename commit."""
+"""Local file systems: direct I/O shard writes, fsync, atomic rename commit.
+
+Containment (a checkpoint's contents are untrusted, see docs/design.md "Threat model"): names
+joined under the root come from listings or validated manifests; symbolic links inside the root
+are never followed: listings leave them out, files are opened with ``O_NOFOLLOW`` and must be
+regular files (a FIFO, device or directory where a file is expected raises
+``NotRegularFileError`` instead of blocking), files are created and removed relative to a
+directory opened with ``O_NOFOLLOW``, and a step directory that is a link is not written
+through. The root itself may be a link (the user's choice).
+"""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import stat
 import uuid
 from typing import Sequence
 
 from .. import _native
+from ..errors import NotRegularFileError
 from .base import Storage, storage_error
+
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def not_regular(path: str, mode: int) -> NotRegularFileError:
+    err = NotRegularFileError(f"expected a regular file, found {_kind(mode)}; fastckpt never "
+                              "opens or follows anything else", file=path)
+    err.errno = errno.EINVAL  # type: ignore[misc]
+    return err
 
 
 def _fsync_dir(path: str) -> None:
@@ -31,7 +62,18 @@ class LocalStorage(Storage):
     def is_local(self) -> bool:
         return True
 
+    def _dir_fd(self, d: str) -> int:
+        """An fd of directory ``d``, not following a link unless ``d`` is the root."""
+        flags = os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC
+        if os.path.normpath(d) != os.path.normpath(self.root):
+            flags |= _O_NOFOLLOW
+        return os.open(d, flags)
+
     def makedirs(self, path: str) -> None:
+        if os.path.islink(path) and os.path.normpath(path) != os.path.normpath(self.root):
+            raise storage_error(OSError(errno.ELOOP, "is a symbolic link: fastckpt does not "
+                                        "write through links inside the root"),
+                                "creating the directory", path)
         if os.path.isdir(path):
             return
         try:
@@ -41,8 +83,10 @@ class LocalStorage(Storage):
             raise storage_error(e, "creating the directory", path) from e
 
     def listdir(self, path: str) -> list[str]:
+        """Names in ``path`` except symbolic links (never followed, never removed)."""
         try:
-            return sorted(os.listdir(path))
+            with os.scandir(path) as it:
+                return sorted(e.name for e in it if not e.is_symlink())
         except FileNotFoundError:
             return []
         except OSError as e:
@@ -50,18 +94,36 @@ class LocalStorage(Storage):
 
     def read_bytes(self, path: str) -> bytes:
         try:
-            with open(path, "rb") as f:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise not_regular(path, stat.S_IFLNK) from None
+            raise storage_error(e, "reading", path) from e
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise not_regular(path, st.st_mode)
+            with os.fdopen(fd, "rb", closefd=False) as f:
                 return f.read()
         except OSError as e:
+            if isinstance(e, NotRegularFileError):
+                raise
             raise storage_error(e, "reading", path) from e
+        finally:
+            os.close(fd)
 
     def size(self, path: str) -> int | None:
+        """Size of a regular file; None when nothing is there; NotRegularFileError when
+        something else is (a directory, a link, a FIFO)."""
         try:
-            return os.stat(path).st_size
-        except FileNotFoundError:
+            st = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as e:
             raise storage_error(e, "stat", path) from e
+        if not stat.S_ISREG(st.st_mode):
+            raise not_regular(path, st.st_mode)
+        return st.st_size
 
     def write_shard(self, path: str, buf, nbytes: int, ranges: Sequence[tuple[int, int]], *,
                     hashes: Sequence[int] | None = None, whole: bool = True,
@@ -100,10 +162,13 @@ class LocalStorage(Storage):
             raise storage_error(e, "reading", path, offset=offset) from e
 
     def publish(self, path: str, data: bytes, *, durable: bool = True) -> None:
-        d = os.path.dirname(path)
-        tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+        d, name = os.path.split(path)
+        tmp = f".{name}.tmp-{uuid.uuid4().hex[:8]}"
+        dfd = -1
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            dfd = self._dir_fd(d)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644,
+                         dir_fd=dfd)
             try:
                 view = memoryview(data)
                 while view:
@@ -112,26 +177,48 @@ class LocalStorage(Storage):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
             if durable:
-                _fsync_dir(d)
+                os.fsync(dfd)
         except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            if dfd >= 0:
+                try:
+                    os.unlink(tmp, dir_fd=dfd)
+                except OSError:
+                    pass
             raise storage_error(e, "publishing", path) from e
+        finally:
+            if dfd >= 0:
+                os.close(dfd)
 
     def remove(self, path: str) -> None:
+        """Remove one file (a link is removed, not followed; so is a link in place of its
+        step directory: nothing outside the root is touched)."""
+        d, name = os.path.split(path)
         try:
-            os.unlink(path)
+            dfd = self._dir_fd(d)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # the directory is a link: nothing of ours is behind it
+                return
+            raise storage_error(e, "removing", path) from e
+        try:
+            os.unlink(name, dir_fd=dfd)
         except FileNotFoundError:
             pass
         except OSError as e:
             raise storage_error(e, "removing", path) from e
+        finally:
+            os.close(dfd)
 
     def remove_dir(self, path: str) -> None:
+        """Remove a directory tree; a link in its place is removed itself, never followed
+        (shutil.rmtree does not follow the links inside)."""
         try:
+            if os.path.islink(path):
+                os.unlink(path)
+                return
             shutil.rmtree(path)
         except FileNotFoundError:
             pass
