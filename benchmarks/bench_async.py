@@ -17,7 +17,9 @@ Each contender runs in a fresh subprocess (``--child``), one after the other, re
 * ``train`` / ``train_ckpt``: a small CPU training loop without checkpoints, and the same loop
   with an async ``Checkpointer.save`` every ``--every`` steps; steps per second.
 
-Results: a table and JSON (``--json``), with machine, commit and date.
+The state is ``fastckpt.bench.state``'s model + Adam (8 square Linear layers, moments as after
+one step), the one ``fastckpt bench`` and bench_saveload.py save. Results: a table and JSON
+(``--json``), with machine, commit, versions and date (``fastckpt.bench.common``).
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)  # the working tree's fastckpt (the children get it first too)
+from fastckpt.bench import common as C  # noqa: E402
+from fastckpt.bench import state as S  # noqa: E402
 
 
 def _rss_mib() -> tuple[float, float]:
@@ -45,17 +49,11 @@ def _rss_mib() -> tuple[float, float]:
 
 
 def _state(size: int, seed: int = 0):
-    import torch
-    torch.manual_seed(seed)
-    layers = 8
-    w = int(((size / 12) / layers) ** 0.5)  # params + 2 Adam moments, fp32
-    m = torch.nn.Sequential(*[torch.nn.Linear(w, w) for _ in range(layers)])
-    opt = torch.optim.Adam(m.parameters(), lr=1e-4)
-    m(torch.randn(2, w)).sum().backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    nbytes = sum(p.numel() * 4 * 3 for p in m.parameters())
-    return m, opt, nbytes, w
+    """Model + Adam (moments as after one step) of about ``size`` bytes: (model, optim,
+    state bytes, width)."""
+    geom = S.geometry(size, layers=8)
+    m, opt = S.model_adam(geom, seed=seed)
+    return m, opt, geom["state_bytes"], geom["width"]
 
 
 def child_fastckpt(a) -> dict:
@@ -64,7 +62,7 @@ def child_fastckpt(a) -> dict:
     import fastckpt
     m, opt, nbytes, _ = _state(a.size)
     base_rss, _ = _rss_mib()
-    C._reset_peak_rss()
+    C.reset_peak_rss()
     stalls, rss = [], []
     with fastckpt.Checkpointer(a.dir, keep_last=2) as ck:
         state = {"model": m, "optim": opt}
@@ -163,7 +161,8 @@ def run_child(a, mode: str) -> dict:
                           "--size", str(a.size), "--train-size", str(a.train_size),
                           "--saves", str(a.saves), "--train-steps", str(a.train_steps),
                           "--every", str(a.every), "--batch", str(a.batch), "--dir", a.dir],
-                         capture_output=True, text=True, env=C.child_env(), timeout=1800)
+                         capture_output=True, text=True, env=C.child_env(REPO_ROOT),
+                         timeout=1800)
     shutil.rmtree(a.dir, ignore_errors=True)
     if out.returncode != 0:
         raise RuntimeError(f"{mode} failed:\n{out.stderr[-3000:]}")
@@ -172,7 +171,8 @@ def run_child(a, mode: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size", type=C.parse_size, default=C.parse_size("1.5GiB"))
+    ap.add_argument("--size", type=C.parse_size, default=C.parse_size("1.5GiB"),
+                    help="state bytes (KiB/MiB/GiB and K/M/G binary, KB/MB/GB decimal)")
     ap.add_argument("--train-size", type=C.parse_size, default=C.parse_size("256MiB"))
     ap.add_argument("--saves", type=int, default=10)
     ap.add_argument("--train-steps", type=int, default=200)
@@ -180,7 +180,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/fastckpt-bench-async")
-    ap.add_argument("--json", default=os.path.join(C.REPO_ROOT, "bench-out", "async.json"))
+    ap.add_argument("--json", default=os.path.join(REPO_ROOT, "bench-out", "async.json"))
     ap.add_argument("--child")
     a = ap.parse_args()
     if a.child:
@@ -191,8 +191,7 @@ def main() -> None:
         return
     modes = ["fastckpt", "dcp_async", "train", "train_ckpt"]
     raw: dict[str, list] = {m: [] for m in modes}
-    for rep in range(a.reps):
-        order = modes[rep % len(modes):] + modes[:rep % len(modes)]
+    for rep, order in enumerate(C.rotations(modes, a.reps)):
         for mode in order:
             r = run_child(a, mode)
             raw[mode].append(r)
@@ -231,7 +230,8 @@ def main() -> None:
           f"{1.1 * state_mib + 200:.0f}); RSS after saves (run 1): "
           + ", ".join(f"{v:.0f}" for v in rss[0]))
     print(f"  training with async saves every {a.every} steps: {slow:.3f} x the speed without")
-    doc = {"benchmark": "bench_async", "machine": C.machine_info(a.dir), "git": C.git_commit(),
+    doc = {"benchmark": "bench_async", "machine": C.machine_info(a.dir),
+           "git": C.git_commit(REPO_ROOT),
            "date": C.utc_now(), "versions": C.base_versions(), "params": vars(a),
            "raw": raw, "summary": summary}
     print("JSON:", C.write_json(a.json, doc))

@@ -15,43 +15,32 @@ fio's own (bytes / job runtime, process start-up excluded).
     python benchmarks/bench_io.py                    # ~1-3 minutes
     python benchmarks/bench_io.py --size 256M --repeat 5 --json out.json
     python benchmarks/bench_io.py --sweep            # block size x depth for the native backend
+
+Sizes, the cache drop, fio and provenance come from ``fastckpt.bench.common`` (``--size``:
+``K/M/G`` and ``KiB/MiB/GiB`` are binary, ``KB/MB/GB`` decimal).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)  # the working tree's fastckpt
 
 import xxhash  # noqa: E402
 
-from fastckpt import _native  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import drop_caches  # noqa: E402
-
-MiB = 1 << 20
-GiB = 1 << 30
-
-
-def parse_size(s: str) -> int:
-    s = s.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": MiB, "G": GiB, "T": 1 << 40}
-    if s and s[-1] in mult:
-        return int(float(s[:-1]) * mult[s[-1]])
-    return int(s)
+from fastckpt.bench import common as C  # noqa: E402
+from fastckpt.bench.common import GiB, MiB, drop_caches  # noqa: E402
+from fastckpt.storage import native as _native  # noqa: E402
 
 
 def cpu_self() -> float:
@@ -75,22 +64,19 @@ def fill(buf: memoryview, n: int) -> None:
 
 
 def fio_run(rw: str, path: str, size: int, bs: str, depth: int) -> dict:
-    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
-        cmd = ["fio", "--name=w", f"--rw={rw}", f"--bs={bs}", f"--iodepth={depth}", "--ioengine=libaio",
-               "--direct=1", f"--size={size}", f"--filename={path}", "--output-format=json",
-               f"--output={out.name}"]
-        if rw == "write":
-            cmd.append("--end_fsync=1")
-        c0, t0 = cpu_children(), time.perf_counter()
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        wall, cpu = time.perf_counter() - t0, cpu_children() - c0
-        j = json.load(out)["jobs"][0]
-    d = j["write" if rw == "write" else "read"]
-    runtime = j["job_runtime"] / 1000.0
+    """One fio job (``fastckpt.bench.common.run_fio``: libaio, O_DIRECT, end_fsync on writes)."""
+    c0 = cpu_children()
+    r = C.run_fio(path, rw, size, bs=bs, iodepth=depth)
+    if not r.get("ok"):
+        raise RuntimeError(f"fio failed: {r.get('error')}")
     # fio's own usr/sys (percent of its job runtime): excludes the process start-up
-    fio_cpu = (j["usr_cpu"] + j["sys_cpu"]) / 100.0 * runtime
-    return {"seconds": d["runtime"] / 1000.0, "wall_with_startup": wall, "cpu": fio_cpu,
-            "cpu_process_total": cpu, "mibps": d["bw_bytes"] / MiB}
+    return {"seconds": r["runtime_s"], "wall_with_startup": r["wall_total_s"], "cpu": r["cpu_s"],
+            "cpu_process_total": cpu_children() - c0, "mibps": r["bw_bytes_per_s"] / MiB}
+
+
+def range_hashes(ret) -> list:
+    """The ranges' hashes ``write_file`` returns (older versions: ``(whole, ranges)``)."""
+    return list(ret[1] if isinstance(ret, tuple) else ret)
 
 
 def with_busy_thread(fn):
@@ -131,7 +117,7 @@ def unlink(path: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="1G", help="bytes per run (default 1G)")
+    ap.add_argument("--size", default="1G", help="bytes per run (default 1G = 1 GiB; 1GB = 10^9)")
     ap.add_argument("--dir", default="/tmp/fastckpt-bench-io")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", dest="json_path", help="write the results as JSON here")
@@ -142,9 +128,12 @@ def main() -> int:
                     help="instead: native direct write/read over block sizes x depths")
     args = ap.parse_args()
 
-    size = parse_size(args.size)
+    try:
+        size = C.parse_size(args.size)
+    except ValueError as e:
+        ap.error(f"--size: {e}")
     os.makedirs(args.dir, exist_ok=True)
-    have_fio = not args.no_fio and shutil.which("fio") is not None
+    have_fio = not args.no_fio and shutil.which(C.FIO) is not None
     src = _native.aligned_buffer(size)
     dst = _native.aligned_buffer(size)
     fill(src, size)
@@ -153,6 +142,7 @@ def main() -> int:
     wpath = os.path.join(args.dir, "bench-write.bin")
     rpath = os.path.join(args.dir, "bench-read.bin")
     ranges = [(o, min(64 * MiB, size - o)) for o in range(0, size, 64 * MiB)]  # ~tensor-sized ranges
+    want_ranges = [xxhash.xxh3_64_intdigest(src[o:o + n]) for o, n in ranges]
 
     nat = _native.native_available()
     if not nat:
@@ -160,8 +150,8 @@ def main() -> int:
 
     def writer(be, direct):
         def run():
-            h, _ = be.write_file(wpath, src, size, ranges, direct=direct, fsync=True)
-            assert h == want, "hash mismatch"
+            got = be.write_file(wpath, src, size, ranges, direct=direct, fsync=True)
+            assert range_hashes(got) == want_ranges, "hash mismatch"
         return run
 
     def reader(be, direct):
@@ -170,7 +160,7 @@ def main() -> int:
         return run
 
     if args.sweep:
-        return sweep(args, size, src, dst, wpath, rpath, ranges, want, nat)
+        return sweep(args, size, src, dst, wpath, rpath, ranges, want, want_ranges, nat)
 
     py = _native.PythonBackend()
     contenders = []  # (name, kind, fn)
@@ -262,13 +252,14 @@ def main() -> int:
         out = {"size": size, "repeat": args.repeat, "dir": args.dir, "cold_reads": cold,
                "cpus": os.cpu_count(), "kernel": platform.release(), "native": nat,
                "native_error": _native.native_error(), "block_size": _native.DEFAULT_BLOCK_SIZE,
-               "depth": _native.DEFAULT_DEPTH, "hash_mibps": hash_rows, "results": results}
-        with open(args.json_path, "w") as f:
-            json.dump(out, f, indent=1)
+               "depth": _native.DEFAULT_DEPTH, "hash_mibps": hash_rows, "results": results,
+               "date_utc": C.utc_now(), "git": C.git_commit(REPO_ROOT),
+               "machine": C.machine_info(args.dir), "versions": C.base_versions()}
+        C.write_json(args.json_path, out)
     return 0
 
 
-def sweep(args, size, src, dst, wpath, rpath, ranges, want, nat) -> int:
+def sweep(args, size, src, dst, wpath, rpath, ranges, want, want_ranges, nat) -> int:
     """Block size x depth for the native backend (used to pick DEFAULT_BLOCK_SIZE/DEPTH)."""
     if not nat:
         print("sweep needs the native backend", file=sys.stderr)
@@ -283,7 +274,8 @@ def sweep(args, size, src, dst, wpath, rpath, ranges, want, nat) -> int:
             unlink(wpath)
             os.sync()
             t0 = time.perf_counter()
-            assert be.write_file(wpath, src, size, ranges, direct=direct)[0] == want
+            got = be.write_file(wpath, src, size, ranges, direct=direct)
+            assert range_hashes(got) == want_ranges
             res[(bs, d, direct)]["write"].append(size / (time.perf_counter() - t0) / MiB)
             unlink(wpath)
             drop_caches()
@@ -302,8 +294,10 @@ def sweep(args, size, src, dst, wpath, rpath, ranges, want, nat) -> int:
                      "read_mibps": round(r)})
         print(f"{mode:>8s} {bs // MiB:5d}M {d:5d} {w:7.0f} {r:7.0f}")
     if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump({"size": size, "repeat": args.repeat, "sweep": rows}, f, indent=1)
+        C.write_json(args.json_path, {"size": size, "repeat": args.repeat, "sweep": rows,
+                                      "date_utc": C.utc_now(), "git": C.git_commit(REPO_ROOT),
+                                      "machine": C.machine_info(args.dir),
+                                      "versions": C.base_versions()})
     return 0
 
 

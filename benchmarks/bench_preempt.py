@@ -33,8 +33,9 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)  # the working tree's fastckpt (the children get it first too)
+from fastckpt.bench import common as C  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------ child
@@ -70,7 +71,7 @@ def _job(a: argparse.Namespace, mib: int, tag: str) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    env = C.child_env()
+    env = C.child_env(REPO_ROOT)
     procs = []
     for r in range(a.world):
         e = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r),
@@ -161,7 +162,7 @@ def main() -> int:
     ap.add_argument("--grace", type=float, default=60.0)
     ap.add_argument("--step-ms", type=float, default=50.0)
     ap.add_argument("--dir", default="/tmp/fastckpt-bench-preempt")
-    ap.add_argument("--json", default=os.path.join(C.REPO_ROOT, "bench-out", "preempt.json"))
+    ap.add_argument("--json", default=os.path.join(REPO_ROOT, "bench-out", "preempt.json"))
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--root", help=argparse.SUPPRESS)
     ap.add_argument("--events", help=argparse.SUPPRESS)
@@ -170,7 +171,8 @@ def main() -> int:
         child(a)
         return 0
     os.makedirs(a.dir, exist_ok=True)
-    result = {"date": C.utc_now(), "machine": C.machine_info(a.dir), "git": C.git_commit(),
+    result = {"date": C.utc_now(), "machine": C.machine_info(a.dir),
+              "git": C.git_commit(REPO_ROOT),
               "versions": C.base_versions(), "args": vars(a)}
     cost = call_cost(a)
     result["call_cost_ns"] = cost

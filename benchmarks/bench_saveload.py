@@ -2,10 +2,13 @@
 """Side-by-side save/load benchmark: fastckpt vs torch.save vs DCP vs fio.
 
 One run measures every contender on the SAME deterministic state (a stack of
-fp32 Linear layers + Adam exp_avg/exp_avg_sq after one step), with a COLD page
+fp32 Linear layers + Adam exp_avg/exp_avg_sq as after one step: the builder of
+``fastckpt.bench.state``, which ``fastckpt bench`` uses too), with a COLD page
 cache before every save and every load, INTERLEAVED (round-robin over the
 contenders, order rotated each repetition), REPEATED (--reps) and reports
-MEDIANS.  Every contender operation runs in a fresh subprocess.
+MEDIANS.  Every contender operation runs in a fresh subprocess.  The helpers
+(sizes, machine info, cache drop, meter, child runner, fio, medians) are
+``fastckpt.bench.common``.
 
     python benchmarks/bench_saveload.py                       # ~1.5 GiB, 3 reps
     python benchmarks/bench_saveload.py --size 200MiB --reps 2
@@ -18,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -27,8 +29,10 @@ import time
 import traceback
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)  # the working tree's fastckpt (the children get it first too)
+from fastckpt.bench import common as C  # noqa: E402
+from fastckpt.bench import state as S  # noqa: E402
 
 CONTENDERS = ("fastckpt", "torch", "dcp", "dcp4", "fio")
 DESCRIPTIONS = {
@@ -40,61 +44,9 @@ DESCRIPTIONS = {
     "fio": "fio seq O_DIRECT write (+end_fsync) / read, bs=16M iodepth=8 libaio",
 }
 OPS = ("save", "load")
-FP32 = 4
-
-
-# =========================================================================== state geometry
-
-
-def geometry(size_bytes: int, layers: int) -> dict[str, Any]:
-    """Width of ``layers`` square Linear(w, w) layers so that params + exp_avg +
-    exp_avg_sq (fp32) is about ``size_bytes``."""
-    n_params = size_bytes / (3 * FP32)
-    per_layer = n_params / layers
-    w = int((-1 + math.sqrt(1 + 4 * per_layer)) / 2)  # w*w + w = per_layer
-    w = max(8, (w // 64) * 64 if w >= 128 else w)
-    params = layers * (w * w + w)
-    # Adam keeps a 0-dim fp32 "step" tensor per parameter tensor (weight + bias)
-    state_bytes = 3 * FP32 * params + 2 * layers * FP32
-    return {"layers": layers, "width": w, "n_params": params,
-            "param_bytes": params * FP32, "state_bytes": state_bytes}
 
 
 # =========================================================================== child side
-
-
-def _build_state(geom: dict[str, Any], seed: int, stepped: bool = True):
-    import torch
-    from torch import nn
-
-    torch.manual_seed(seed)
-    g = torch.Generator().manual_seed(seed)
-    w, L = geom["width"], geom["layers"]
-    # skip_init + uniform_ is much faster than the default kaiming init and is deterministic
-    model = nn.Sequential(*[nn.utils.skip_init(nn.Linear, w, w) for _ in range(L)])
-    bound = 1.0 / math.sqrt(w)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.uniform_(-bound, bound, generator=g)
-            p.grad = torch.empty_like(p).uniform_(-1.0, 1.0, generator=g)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
-    if stepped:
-        optim.step()
-    for p in model.parameters():  # not stepped: a freshly built optimizer, no moments yet
-        p.grad = None
-    return model, optim
-
-
-def _state_tensors(model, optim):
-    """(name, tensor) of everything that is checkpointed, in a stable order."""
-    out = [(f"model.{k}", v) for k, v in model.state_dict().items()]
-    names = {id(p): n for n, p in model.named_parameters()}
-    for group in optim.param_groups:
-        for p in group["params"]:
-            for k, v in sorted(optim.state.get(p, {}).items()):
-                if hasattr(v, "nbytes"):
-                    out.append((f"optim.{names[id(p)]}.{k}", v))
-    return out
 
 
 def _fingerprint(model, optim) -> list[float]:
@@ -102,7 +54,7 @@ def _fingerprint(model, optim) -> list[float]:
 
     fp = []
     with torch.no_grad():
-        for _, t in _state_tensors(model, optim):
+        for _, t in S.state_tensors(model, optim):
             fp.append(float(torch.sum(t, dtype=torch.float64)))
     return fp
 
@@ -119,38 +71,28 @@ def _op_fastckpt(op: str, model, optim, path: str) -> dict[str, Any]:
 
 
 def _op_torch(op: str, model, optim, path: str) -> dict[str, Any]:
-    import torch
-
     fname = os.path.join(path, "checkpoint.pt")
     if op == "save":
         os.makedirs(path, exist_ok=True)
-        sd = {"model": model.state_dict(), "optim": optim.state_dict()}
         with open(fname, "wb") as f:
-            torch.save(sd, f)
+            S.torch_save(model, optim, f)
             f.flush()
             os.fsync(f.fileno())
         return {}
-    sd = torch.load(fname, weights_only=True)
-    model.load_state_dict(sd["model"])
-    optim.load_state_dict(sd["optim"])
-    del sd
+    with open(fname, "rb") as f:
+        S.torch_load(model, optim, f)
     return {}
 
 
 def _op_dcp(op: str, model, optim, path: str, thread_count: int | None) -> dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    msd, osd = get_state_dict(model, optim)
-    sd = {"model": msd, "optim": osd}
     if op == "save":
         writer = (FileSystemWriter(path) if thread_count is None
                   else FileSystemWriter(path, thread_count=thread_count))
-        dcp.save(sd, storage_writer=writer)
+        S.dcp_save(model, optim, writer, no_dist=True)
         return {}
-    dcp.load(sd, storage_reader=FileSystemReader(path))
-    set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    S.dcp_load(model, optim, FileSystemReader(path), no_dist=True)
     return {}
 
 
@@ -182,8 +124,8 @@ def _child(payload: dict[str, Any]) -> dict[str, Any]:
     # successful load is visible in the fingerprint
     seed = payload["seed"] + (1 if op == "load" else 0)
     fresh = op == "load" and payload.get("load_into") == "fresh"
-    model, optim = _build_state(geom, seed, stepped=not fresh)
-    nbytes = sum(t.nbytes for _, t in _state_tensors(model, optim))
+    model, optim = S.model_adam(geom, seed=seed, stepped=not fresh)
+    nbytes = sum(t.nbytes for _, t in S.state_tensors(model, optim))
     gc.collect()
     setup_s = time.perf_counter() - t_setup
     dropped = C.drop_caches(required=True) if payload["drop_caches"] else False
@@ -195,7 +137,7 @@ def _child(payload: dict[str, Any]) -> dict[str, Any]:
     res = dict(meter.result)
     res.update(extra)
     if fresh:  # the moments exist now (created by the load)
-        nbytes = sum(t.nbytes for _, t in _state_tensors(model, optim))
+        nbytes = sum(t.nbytes for _, t in S.state_tensors(model, optim))
     res.update(bytes=nbytes, seconds=res["wall_s"], setup_s=setup_s,
                cache_dropped=dropped, torch_threads=torch.get_num_threads(),
                fingerprint=_fingerprint(model, optim))
@@ -230,7 +172,7 @@ def fastckpt_available() -> tuple[bool, str]:
             "print(getattr(fastckpt, '__version__', '') or '')\n"
             "sys.exit(0 if ok else 3)\n")
     try:
-        r = subprocess.run([sys.executable, "-c", code], env=C.child_env(),
+        r = subprocess.run([sys.executable, "-c", code], env=C.child_env(REPO_ROOT),
                            capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as e:
         return False, f"probe failed: {e}"
@@ -281,7 +223,7 @@ def child_sample(contender: str, op: str, path: str, rep: int, geom: dict[str, A
                "seed": args.seed, "geometry": geom, "drop_caches": args.drop_caches,
                "load_into": args.load_into}
     argv = [sys.executable, os.path.abspath(__file__), "--child"]
-    return C.run_child(argv, payload, timeout=args.timeout)
+    return C.run_child(argv, payload, timeout=args.timeout, env=C.child_env(REPO_ROOT))
 
 
 def fmt_sample(s: dict[str, Any]) -> str:
@@ -323,7 +265,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--size", default="1.5GiB",
-                   help="total state bytes: params + Adam exp_avg + exp_avg_sq (fp32)")
+                   help="total state bytes: params + Adam exp_avg + exp_avg_sq (fp32); "
+                        "KiB/MiB/GiB and K/M/G are binary, KB/MB/GB decimal")
     p.add_argument("--layers", type=int, default=16,
                    help="number of square nn.Linear layers the model is made of")
     p.add_argument("--reps", type=int, default=3, help="repetitions (medians are reported)")
@@ -331,7 +274,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help=f"comma-separated subset of {','.join(CONTENDERS)}")
     p.add_argument("--dir", default="/tmp/fastckpt-bench",
                    help="where checkpoints are written (one fresh subdirectory per save)")
-    p.add_argument("--json", default=os.path.join(C.REPO_ROOT, "bench-out", "saveload.json"),
+    p.add_argument("--json", default=os.path.join(REPO_ROOT, "bench-out", "saveload.json"),
                    help="where to write the JSON report")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--load-into", choices=("stepped", "fresh"), default="stepped",
@@ -351,14 +294,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"unknown contender(s) {bad}; choose from {','.join(CONTENDERS)}")
     if args.reps < 1:
         p.error("--reps must be >= 1")
+    try:
+        args.size_bytes = C.parse_size(args.size)
+    except ValueError as e:
+        p.error(f"--size: {e}")
     return args
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    size = C.parse_size(args.size)
-    geom = geometry(size, args.layers)
+    size = args.size_bytes
+    geom = S.geometry(size, layers=args.layers)
     os.makedirs(args.dir, exist_ok=True)
 
     if args.drop_caches and not C.can_drop_caches():
@@ -387,18 +334,16 @@ def main(argv: list[str]) -> int:
         return 2
 
     machine = C.machine_info(args.dir)
-    print(f"state: {C.fmt_bytes(geom['state_bytes'])} = {geom['layers']} x "
+    print(f"state: {C.human_bytes(geom['state_bytes'])} = {geom['layers']} x "
           f"Linear({geom['width']}, {geom['width']}) fp32 params "
-          f"({C.fmt_bytes(geom['param_bytes'])}) + Adam exp_avg + exp_avg_sq")
+          f"({C.human_bytes(geom['param_bytes'])}) + Adam exp_avg + exp_avg_sq")
     print(f"dir: {machine['bench_dir']} ({machine.get('fs_type')} on "
           f"{machine.get('fs_device')}, {machine.get('fs_mount_options')})")
     print(f"contenders: {', '.join(contenders)}; reps: {args.reps}; cold cache: "
           f"{args.drop_caches}")
 
     samples: list[dict[str, Any]] = []
-    n = len(contenders)
-    for rep in range(args.reps):
-        order = contenders[rep % n:] + contenders[:rep % n]
+    for rep, order in enumerate(C.rotations(contenders, args.reps)):
         print(f"--- rep {rep + 1}/{args.reps}: {' -> '.join(order)}")
         for c in order:
             path = os.path.join(args.dir, f"{c}-r{rep}")
@@ -448,7 +393,7 @@ def main(argv: list[str]) -> int:
     ]
     elapsed = time.perf_counter() - t_start
     print()
-    print(f"state {C.fmt_bytes(geom['state_bytes'])}, {args.reps} reps, medians; "
+    print(f"state {C.human_bytes(geom['state_bytes'])}, {args.reps} reps, medians; "
           f"cold cache: {args.drop_caches}; total {elapsed:.0f} s")
     print(C.format_table(rows, columns))
     for r in rows:
@@ -461,7 +406,7 @@ def main(argv: list[str]) -> int:
     report = {
         "benchmark": "saveload",
         "date_utc": C.utc_now(),
-        "git": C.git_commit(),
+        "git": C.git_commit(REPO_ROOT),
         "machine": machine,
         "versions": versions,
         "parameters": {

@@ -35,8 +35,9 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)  # the working tree's fastckpt
+from fastckpt.bench import common as C  # noqa: E402
 
 
 def _sync(device) -> None:
@@ -47,7 +48,8 @@ def _sync(device) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", default="4GiB")
+    p.add_argument("--size", type=C.parse_size, default="4GiB",
+                   help="state bytes (KiB/MiB/GiB and K/M/G binary, KB/MB/GB decimal)")
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--dir", default="/tmp/fastckpt-gpu-check")
     p.add_argument("--reps", type=int, default=5)
@@ -62,14 +64,14 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_check: CUDA is not available here (use --device cpu for a dry run)")
         return 2
-    size = C.parse_size(a.size)
+    size = a.size
     tensor_bytes = min(128 << 20, size)
     n = max(1, size // tensor_bytes)
     state = {f"t{i}": torch.randn(tensor_bytes // 4, device=device) for i in range(n)}
     nbytes = sum(t.nbytes for t in state.values())
     gib = nbytes / (1 << 30)
     res: dict = {"machine": C.machine_info(a.dir if os.path.isdir(a.dir) else None),
-                 "commit": C.git_commit(), "date": C.utc_now(), "state_bytes": nbytes,
+                 "commit": C.git_commit(REPO_ROOT), "date": C.utc_now(), "state_bytes": nbytes,
                  "device": str(device), "torch": torch.__version__}
     if device.type == "cuda":
         res["gpu"] = torch.cuda.get_device_name(device)
@@ -189,12 +191,13 @@ def main(argv=None) -> int:
         print(f"{mode:8} {med['host_s']:8.3f} {med['gpu_s']:8.3f} {m['stall_over_copy']:9.2f} "
               f"{m['host_over_copy']:10.2f} {med['save_then_step_s']:12.3f} "
               f"{m['save_then_step_over_serial']:13.2f} "
-              f"{med['step_during_write_s'] / step_alone:13.2f}x {C.fmt_bytes(m['pinned_bytes']):>8}")
+              f"{med['step_during_write_s'] / step_alone:13.2f}x "
+              f"{C.human_bytes(m['pinned_bytes']):>8}")
     print("target: gpu/copy <= 1.15 (saves 2..N, medians)")
     h2d, ld = res["pinned_h2d"]["median_s"], res["load_warm_cache"]["median_s"]
     print(f"load (page cache warm) {ld:.3f} s = {nbytes / ld / 1e9:.1f} GB/s; pinned H2D copy "
           f"{h2d:.3f} s = {nbytes / h2d / 1e9:.1f} GB/s; load / copy {ld / h2d:.2f}")
-    out = a.json or os.path.join(os.environ.get("OUT") or os.path.join(C.REPO_ROOT, "bench-out"),
+    out = a.json or os.path.join(os.environ.get("OUT") or os.path.join(REPO_ROOT, "bench-out"),
                                  "gpu_check.json")
     C.write_json(out, res)
     print(f"json: {out}")

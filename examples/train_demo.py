@@ -77,7 +77,11 @@ def main() -> None:
             log.write(json.dumps({"step": step, "loss": loss.item() / world}) + "\n")
             log.flush()
         if (step + 1) % args.save_every == 0:
-            ckpt.save(state, step=step + 1)  # returns once staged; commits in the background
+            h = ckpt.save(state, step=step + 1)  # returns once staged; commits in the background
+            if rank == 0:
+                print(f"[demo] step {step + 1}/{args.steps}: loss {loss.item() / world:.4f}; "
+                      f"checkpoint staged in {h.timings['stage_s'] * 1e3:.1f} ms, committing "
+                      "in the background", flush=True)
         time.sleep(args.step_sleep)
     ckpt.close()
     if rank == 0:

@@ -15,19 +15,21 @@ import importlib
 
 from .errors import (
     CheckpointNotFoundError, CommitTimeoutError, CorruptCheckpointError, FastCkptError,
-    SaveFailedError, StateMismatchError, StorageError, UnsupportedStateError)
+    NotRegularFileError, SaveFailedError, StateMismatchError, StepRemovedError, StorageError,
+    UnsupportedStateError, WriterLockedError)
 
 # The engine (torch.distributed, DCP) is imported on first use, so that `import fastckpt` and
 # the command-line tools stay quick (PEP 562).
 _LAZY = {
-    "Checkpointer": ".checkpointer", "SaveHandle": ".checkpointer", "save": ".checkpointer",
-    "load": ".checkpointer", "CheckpointOptions": ".options", "FastCkptReader": ".reader",
+    "Checkpointer": ".checkpointer", "SaveHandle": ".engine.handle", "save": ".checkpointer",
+    "load": ".checkpointer", "CheckpointOptions": ".options", "FastCkptReader": ".engine.reader",
 }
 
 __all__ = [
     "Checkpointer", "SaveHandle", "CheckpointOptions", "FastCkptReader", "save", "load",
     "FastCkptError", "UnsupportedStateError", "CheckpointNotFoundError", "CorruptCheckpointError",
-    "StateMismatchError", "StorageError", "SaveFailedError", "CommitTimeoutError", "__version__",
+    "StateMismatchError", "StorageError", "SaveFailedError", "CommitTimeoutError",
+    "NotRegularFileError", "StepRemovedError", "WriterLockedError", "__version__",
 ]
 
 

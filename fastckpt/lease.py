@@ -44,6 +44,7 @@ import uuid
 from typing import Any
 
 from .errors import StorageError, WriterLockedError
+from .options import job_id
 from .storage import Storage
 
 log = logging.getLogger("fastckpt")
@@ -53,16 +54,6 @@ TTL_S = 60.0
 RENEW_S = 15.0
 CONFIRM_S = 0.2
 OP_S = 10.0  # the most one lease call on a remote store may take
-
-#: environment variables naming the job: a lease written by the same job id is its own
-_JOB_VARS = ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "FASTCKPT_JOB_ID")
-
-
-def job_id(environ: dict | None = None) -> str | None:
-    env = os.environ if environ is None else environ
-    parts = [f"{v}={env[v]}" for v in _JOB_VARS if env.get(v)]
-    return ",".join(parts) or None
-
 
 def describe(rec: dict, now: float | None = None) -> str:
     now = time.time() if now is None else now

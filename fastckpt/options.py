@@ -152,3 +152,24 @@ def platform_grace(environ: dict | None = None) -> tuple[str, float, str]:
         if var in env:
             return name, grace, f"{var} set: {why}"
     return "unknown", 30.0, "no platform detected: assumed 30 s"
+
+
+#: environment variables naming the job: a writer lease left by the same job id is its own
+_JOB_VARS = ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "FASTCKPT_JOB_ID")
+
+
+def job_id(environ: dict | None = None) -> str | None:
+    """This job's identity across restarts (a requeued Slurm job keeps SLURM_JOB_ID, a
+    restarted torchrun keeps TORCHELASTIC_RUN_ID; FASTCKPT_JOB_ID for anything else)."""
+    env = os.environ if environ is None else environ
+    parts = [f"{v}={env[v]}" for v in _JOB_VARS if env.get(v)]
+    return ",".join(parts) or None
+
+
+def cli_settings(environ: dict | None = None) -> dict:
+    """What the command-line tools read from the environment: FASTCKPT_NO_PROGRESS (no
+    progress bars on a terminal), FASTCKPT_NATIVE (shown by ``fastckpt info``)."""
+    env = os.environ if environ is None else environ
+    return {"no_progress": bool(env.get("FASTCKPT_NO_PROGRESS")),
+            "native": env.get("FASTCKPT_NATIVE")}
+

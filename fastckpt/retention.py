@@ -7,12 +7,11 @@ half-way through leaves a partial directory, never a committed step with shards 
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 
-from . import format as fmt
-from .reader import list_steps
+from .manifest import schema as fmt
+from .manifest.discovery import list_steps, marker_time
 from .storage import Storage
 
 #: a partial step whose in-flight marker is younger than this may still be written by someone
@@ -35,10 +34,7 @@ def scan(storage: Storage) -> list[StepInfo]:
         since = None
         for n in names:
             if n.startswith(fmt.INFLIGHT_PREFIX):
-                try:
-                    t = float(json.loads(storage.read_bytes(f"{d}/{n}"))["created_unix"])
-                except Exception:
-                    t = 0.0
+                t = marker_time(storage, f"{d}/{n}")
                 since = t if since is None else max(since, t)
         junk = tuple(n for n in names if n.startswith(fmt.INFLIGHT_PREFIX) or ".tmp-" in n)
         out.append(StepInfo(step, d, fmt.MANIFEST in names, since, junk))

@@ -84,7 +84,6 @@ static inline void fck_update(XXH3_state_t *st, const void *p, size_t n) {
 #define FCK_DEFAULT_DEPTH 4
 #define FCK_MAX_DEPTH 64
 #define FCK_HASH_CHUNK ((Py_ssize_t)1 << 20)
-#define FCK_RANGES_THREAD_MIN ((long long)4 << 20) /* hash ranges on a 2nd thread above this */
 #define FCK_NOGIL_HASH_MIN ((Py_ssize_t)16 << 10)
 
 static inline Py_ssize_t round_up(Py_ssize_t n, Py_ssize_t a) { return (n + a - 1) / a * a; }
@@ -397,35 +396,32 @@ fail:
 /* ------------------------------------------------------------------------ */
 
 PyDoc_STRVAR(write_file_doc,
-"write_file(path, buf, nbytes, ranges, direct=True, fsync=True, block_size=0, depth=0, whole=True)\n"
+"write_file(path, buf, nbytes, ranges, direct=True, fsync=True, block_size=0, depth=0)\n"
 "--\n\n"
-"Create/truncate path and write buf[0:nbytes]; return (xxh3_64 of all, [xxh3_64 per range]).\n"
-"whole=False skips the hash of all (None in its place): one pass over the bytes fewer.\n"
+"Create/truncate path and write buf[0:nbytes]; return [xxh3_64 per range], hashed on the\n"
+"calling thread while the writes are in flight.\n"
 "block_size/depth of 0 mean the defaults (16 MiB, 4 requests in flight).");
 
 static PyObject *py_write_file(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"path", "buf", "nbytes", "ranges", "direct", "fsync", "block_size", "depth",
-                             "whole", NULL};
+                             NULL};
     PyObject *pathb = NULL, *bufobj, *ranges, *result = NULL, *lst = NULL;
     Py_ssize_t nbytes, block = 0, nr = 0;
-    int direct = 1, do_fsync = 1, depth = 0, whole = 1;
+    int direct = 1, do_fsync = 1, depth = 0;
     Py_buffer view;
     range_t *rg = NULL;
-    uint64_t *rh = NULL, full_hash = 0;
+    uint64_t *rh = NULL;
     job_t job;
     pthread_t th[FCK_MAX_DEPTH];
     int nth = 0;
-    long long range_bytes = 0;
-    XXH3_state_t hs;
     /* error reporting (set without the GIL, raised after) */
     int oerr = 0;
     long long ooff = 0;
     const char *owhat = NULL;
     int owith_off = 1;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&OnO|ppnip:write_file", kwlist, PyUnicode_FSConverter,
-                                     &pathb, &bufobj, &nbytes, &ranges, &direct, &do_fsync, &block, &depth,
-                                     &whole))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&OnO|ppni:write_file", kwlist, PyUnicode_FSConverter,
+                                     &pathb, &bufobj, &nbytes, &ranges, &direct, &do_fsync, &block, &depth))
         return NULL;
     if (PyObject_GetBuffer(bufobj, &view, PyBUF_SIMPLE) < 0) {
         Py_DECREF(pathb);
@@ -435,7 +431,6 @@ static PyObject *py_write_file(PyObject *self, PyObject *args, PyObject *kw) {
     if (check_tuning(&block, &depth) || check_nbytes(&view, nbytes) ||
         parse_ranges(ranges, nbytes, &rg, &nr))
         goto out_nojob;
-    for (Py_ssize_t i = 0; i < nr; i++) range_bytes += rg[i].len;
     if (nr) {
         rh = (uint64_t *)PyMem_Calloc((size_t)nr, sizeof(uint64_t));
         if (!rh) {
@@ -479,17 +474,9 @@ static PyObject *py_write_file(PyObject *self, PyObject *args, PyObject *kw) {
             nth = want ? start_threads(worker, &job, th, want) : 0;
             if (nth == 0) worker(&job); /* single block (or no threads): write, then hash */
             if (nth > 0 || !job.err) {
-                /* fused: the full hash on this thread, the ranges on another one when they
-                 * are big enough to be worth it, while the workers write */
+                /* fused: the ranges are hashed on this thread while the workers write */
                 ranges_job_t rj = {job.base, rg, nr, rh};
-                pthread_t rt;
-                int have_rt = whole && nth > 0 && range_bytes >= FCK_RANGES_THREAD_MIN &&
-                              start_threads(hash_ranges, &rj, &rt, 1) == 1;
-                if (whole) full_hash = hash_full(&hs, job.base, nbytes);
-                if (have_rt)
-                    pthread_join(rt, NULL);
-                else
-                    hash_ranges(&rj);
+                hash_ranges(&rj);
             }
             if (nth > 0) join_workers(th, nth);
             if (job.err) {
@@ -520,10 +507,8 @@ static PyObject *py_write_file(PyObject *self, PyObject *args, PyObject *kw) {
         if (!v) goto out_nojob;
         PyList_SET_ITEM(lst, i, v);
     }
-    if (whole)
-        result = Py_BuildValue("(NO)", PyLong_FromUnsignedLongLong(full_hash), lst);
-    else
-        result = Py_BuildValue("(OO)", Py_None, lst);
+    result = lst;
+    lst = NULL;
 
 out_nojob:
     Py_XDECREF(lst);

@@ -4,36 +4,50 @@
 # step by step with an uninterrupted run of the same job.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  echo "[demo] setting up .venv (torch, fastckpt, the native I/O extension; a few minutes the first time)"
+fi
 bash scripts/setup.sh
 . .venv/bin/activate
 OUT=${OUT:-demo-out}
 STEPS=${STEPS:-60}
+KILL_AT=${KILL_AT:-35}
+export OMP_NUM_THREADS=1  # one thread per rank (and no torchrun warning about it)
 rm -rf "$OUT"; mkdir -p "$OUT"
-run() {  # run ROOT LOG: the training job on 2 ranks
+run() {  # run ROOT LOG: the training job on 2 ranks (torchrun's own chatter to OUT/*.torchrun)
   torchrun --standalone --nproc-per-node 2 examples/train_demo.py --root "$1" --loss-log "$2" \
-    --steps "$STEPS" --save-every 10
+    --steps "$STEPS" --save-every 10 2>>"$2.torchrun"
 }
+logged() { if [ -f "$1" ]; then wc -l < "$1"; else echo 0; fi; }
 
 echo "== 1. reference: $STEPS steps without interruption"
 run "$OUT/ref-ckpt" "$OUT/ref.jsonl"
 
-echo "== 2. the same job, killed with SIGKILL after step 35"
-setsid bash -c "$(declare -f run); STEPS=$STEPS; run '$OUT/ckpt' '$OUT/run.jsonl'" &
-job=$!
-while [ "$(wc -l < "$OUT/run.jsonl" 2>/dev/null || echo 0)" -lt 35 ]; do sleep 0.1; done
-# SIGKILL the whole job at once: torchrun's process group, and the workers, which torchrun
-# starts in sessions of their own
-pkill -KILL -f "train_demo.py --root $OUT/ckpt " || true
+echo "== 2. the same job, killed with SIGKILL once it has logged $KILL_AT steps"
+# started in a session of its own, outside this shell's job table (so the kill is not
+# reported as a job "Killed"): the whole session is killed at once below
+(setsid bash -c "$(declare -f run); STEPS=$STEPS; run '$OUT/ckpt' '$OUT/run.jsonl'" \
+  >"$OUT/run.stdout" 2>&1 & echo $! > "$OUT/job.pid")
+job=$(cat "$OUT/job.pid")
+while [ "$(logged "$OUT/run.jsonl")" -lt "$KILL_AT" ]; do
+  kill -0 "$job" 2>/dev/null || { echo "[demo] the job ended before the kill"; exit 1; }
+  sleep 0.1
+done
+# SIGKILL the whole job: torchrun's session, and the workers, which torchrun starts in
+# sessions of their own
 kill -KILL -- -"$job" 2>/dev/null || true
-wait "$job" 2>/dev/null || true
-while pgrep -f "train_demo.py --root $OUT/ckpt " >/dev/null; do sleep 0.1; done
-echo "[demo] killed after $(wc -l < "$OUT/run.jsonl") logged steps"
-fastckpt ls "$OUT/ckpt" 2>/dev/null || python -c "import fastckpt; print('[demo] newest committed step:', fastckpt.Checkpointer('$OUT/ckpt').latest_step())"
+pkill -KILL -f "train_demo.py --root $OUT/ckpt " || true
+while pgrep -f "train_demo.py --root $OUT/ckpt " >/dev/null || kill -0 "$job" 2>/dev/null; do
+  sleep 0.1
+done
+cat "$OUT/run.stdout"
+echo "[demo] SIGKILLed after $(logged "$OUT/run.jsonl") logged steps; what survived:"
+fastckpt ls "$OUT/ckpt"
 
-echo "== 3. resume"
+echo "== 3. resume: the same command again"
 run "$OUT/ckpt" "$OUT/run.jsonl"
 
-echo "== 4. compare"
+echo "== 4. compare with the uninterrupted run"
 python - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]

@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-if python -c "import fastckpt._native as n, sys; sys.exit(0 if n.native_available() else 1)"; then
+if python -c "import fastckpt.storage.native as n, sys; sys.exit(0 if n.native_available() else 1)"; then
   native=require
 else
   native=off

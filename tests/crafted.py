@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from fastckpt import format as fmt
+from fastckpt.manifest import schema as fmt
 
 CANARY = 0xA5
 GUARD = 256 << 10  # bytes of canary on each side (more than any off-by-a-lot a test crafts)

@@ -1,18 +1,22 @@
 """A process that saves checkpoints and can be killed anywhere (by a test or a fault point).
 
-    python -m tests.crash_worker ROOT STEP_FROM STEP_TO MIB [SALT]
+    [FASTCKPT_TEST_FAULT=<point>] python -m tests.crash_worker ROOT STEP_FROM STEP_TO MIB [SALT]
 
 saves steps STEP_FROM..STEP_TO-1 one after the other (each blocks until committed) and prints
-``committed N`` after each. The state of a step is a pure function of (step, MIB, SALT).
+``committed N`` after each. The state of a step is a pure function of (step, MIB, SALT). With
+``FASTCKPT_TEST_FAULT`` its storage is wrapped by ``fastckpt.testing.faults`` and the process
+SIGKILLs itself at that point of the save.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
 
 import fastckpt
+from fastckpt.testing import faults
 
 
 def state_for(step: int, mib: float, salt: int = 0) -> dict:
@@ -33,7 +37,8 @@ def blank(mib: float) -> dict:
 def main(argv: list[str]) -> None:
     root, a, b, mib = argv[0], int(argv[1]), int(argv[2]), float(argv[3])
     salt = int(argv[4]) if len(argv) > 4 else 0
-    with fastckpt.Checkpointer(root, commit_timeout_s=30) as ck:
+    storage = faults.open_faulty(root, rank=0, spec=os.environ.get("FASTCKPT_TEST_FAULT"))
+    with fastckpt.Checkpointer(storage, commit_timeout_s=30) as ck:
         for step in range(a, b):
             ck.save(state_for(step, mib, salt), step=step).wait()
             print(f"committed {step}", flush=True)

@@ -51,9 +51,6 @@ def _entry(rank: int, world: int, port: int, cfg: dict) -> None:
     os.dup2(fd, 2)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    os.environ.pop("FASTCKPT_TEST_FAULT", None)
-    if cfg.get("throttle_mibps"):
-        os.environ["FASTCKPT_TEST_THROTTLE_MIBPS"] = str(cfg["throttle_mibps"])
     import logging
 
     import torch.distributed as dist
@@ -88,7 +85,9 @@ def train(rank: int, world: int, cfg: dict) -> None:
         kw["cancel_signals"] = tuple(cfg["cancel_signals"])
     if cfg.get("staging_cap_mib"):
         kw["staging_cap_bytes"] = int(cfg["staging_cap_mib"] * (1 << 20))
-    ck = fastckpt.Checkpointer(cfg["root"], **kw)
+    from fastckpt.testing import faults
+    storage = faults.open_faulty(cfg["root"], rank=rank, throttle_mibps=cfg.get("throttle_mibps"))
+    ck = fastckpt.Checkpointer(storage, **kw)
     start = ck.resume(state)
     with open(os.path.join(out, f"resumed-{tag}-r{rank}"), "w") as f:
         f.write(json.dumps(start))
@@ -117,10 +116,10 @@ def train(rank: int, world: int, cfg: dict) -> None:
             ck.save(state, step=step)
             if cfg.get("fault_after_periodic"):
                 ck.wait()
-                os.environ["FASTCKPT_TEST_FAULT"] = cfg["fault_after_periodic"]
+                storage.arm(kill_at=faults.kill_point(cfg["fault_after_periodic"], rank))
             if cfg.get("throttle_after_periodic"):
                 ck.wait()
-                os.environ["FASTCKPT_TEST_THROTTLE_MIBPS"] = str(cfg["throttle_after_periodic"])
+                storage.arm(throttle_mibps=cfg["throttle_after_periodic"])
             open(os.path.join(out, f"saved-{tag}-r{rank}"), "w").close()
         time.sleep(cfg.get("step_s", 0.02))
         ck.save(state, step=step, on_preempt=True)

@@ -26,7 +26,7 @@ import xxhash
 
 import fastckpt
 from fastckpt import cli
-from fastckpt import format as fmt
+from fastckpt.manifest import schema as fmt
 from fastckpt import tools
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -164,10 +164,11 @@ def roots(tmp_path_factory) -> dict:
 
 
 def _bench2(target: str, res: dict) -> None:
-    from fastckpt import bench
+    from fastckpt.bench import storage as bench
     try:
-        res["bench2"] = bench.summarize(bench.run_bench(target, 16 << 20, ranks=2,
-                                                        contenders=("raw", "fastckpt")))
+        res["bench2"] = bench.summarize(bench.run_bench(target, 16 << 20, ranks=2, reps=1,
+                                                        contenders=("raw", "fastckpt"),
+                                                        create=True))
     except BaseException as e:  # noqa: BLE001 - reported by the test
         res["bench2"] = e
 
@@ -188,7 +189,7 @@ def runs(roots) -> dict:
         "gc_dry": ["gc", r["gc_dry"], "--keep", "1"],
         "gc_yes": ["gc", r["gc_yes"], "--keep", "1", "--yes", "--json"],
         "inspect": ["inspect", r["main"]],
-        "bench": ["bench", r["bench"], "--size", "32MiB", "--report",
+        "bench": ["bench", r["bench"], "--create", "--size", "32MiB", "--reps", "2", "--report",
                   os.path.join(base, "rep.json"), "--png", os.path.join(base, "chart.png")],
         "exec_fresh": ["resume", r["empty"], "--", sys.executable, "-c", CHILD,
                        os.path.join(base, "fresh.json"), "nowait"],
@@ -340,13 +341,15 @@ def test_bench_writes_report_chart_and_record(runs, roots):
     rows = {x["name"]: x for x in rep["rows"]}
     assert set(rows) == {"raw", "fastckpt", "torch", "dcp"}
     assert all(x["write_bytes_per_s"] > 0 and x["read_bytes_per_s"] > 0 for x in rows.values())
+    assert rep["reps"] == 2 and all(x["n"] == 2 for x in rows.values())  # medians of 2
     assert rep["grace"]["seconds"] >= 30 + 10 + 30
+    assert f"wrote report {os.path.join(roots['base'], 'rep.json')}" in r["out"]
     if importlib.util.find_spec("matplotlib") is not None:
         with open(os.path.join(roots["base"], "chart.png"), "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     else:
         assert "no PNG chart: matplotlib is not installed" in r["err"]
-    from fastckpt.bench import read_bench
+    from fastckpt.bench.record import read_bench
     rec = read_bench(roots["bench"])
     assert rec is not None and rec["bandwidth_bytes_per_s"]["save"] > 0
     assert rec["per_rank_bytes_per_s"]["save"] == rec["bandwidth_bytes_per_s"]["save"]  # 1 rank
@@ -507,7 +510,7 @@ def test_sizes_and_grace():
     assert tools.parse_size("4GB") == 4 * 10 ** 9 and tools.parse_size("1.5M") == 3 << 19
     assert tools.parse_size("4096") == 4096
     assert tools.human_bytes(1536) == "1.5 KiB" and tools.human_bytes(10) == "10 B"
-    from fastckpt.bench import grace_window
+    from fastckpt.bench.storage import grace_window
     g = grace_window(100 << 30, 1 << 30, step_drain_s=20, barrier_s=5, safety_fraction=0.25,
                      safety_min_s=30)
     assert g["write_s"] == 100 and g["safety_s"] == 31.25 and g["seconds"] == 157

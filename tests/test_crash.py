@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fastckpt
+from fastckpt.testing import faults
 from tests.crash_worker import blank, state_for
 from tests.distributed import Died, run
 
@@ -41,7 +42,7 @@ def _load_exact(root, mib=MIB):
 
 
 @pytest.mark.parametrize("fault,committed", [
-    ("after_stage", False), ("mid_shard_write", False), ("after_shard_write", False),
+    ("before_write", False), ("mid_shard_write", False), ("after_shard_write", False),
     ("before_manifest", False), ("manifest_tmp_written", False),
     ("after_manifest", True), ("during_retention", True)])
 def test_sigkill_at_each_commit_point(root, fault, committed):
@@ -91,9 +92,10 @@ def test_sigkill_at_random_times(root):
 
 
 def _two_rank_fault(rank, world, root):
-    ck = fastckpt.Checkpointer(root, commit_timeout_s=4)
+    storage = faults.open_faulty(root, rank=rank)
+    ck = fastckpt.Checkpointer(storage, commit_timeout_s=4)
     ck.save(state_for(1, 1), step=1).wait()
-    os.environ["FASTCKPT_TEST_FAULT"] = os.environ["FAULT_LATER"]
+    storage.arm(kill_at=faults.kill_point(os.environ["FAULT_LATER"], rank))
     t0 = time.monotonic()
     h = ck.save(state_for(2, 1), step=2)
     try:
@@ -103,7 +105,6 @@ def _two_rank_fault(rank, world, root):
         return (type(e).__name__, time.monotonic() - t0, getattr(e, "missing_ranks", None),
                 str(e))
     finally:
-        os.environ.pop("FASTCKPT_TEST_FAULT")
         ck._closed = True  # the failure was observed above
 
 

@@ -9,7 +9,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 import fastckpt
-from fastckpt._tree import flatten
+from fastckpt.engine.state import flatten
 from tests.distributed import run
 from tests.models import fsdp_mlp, full_state, mlp, train_step
 

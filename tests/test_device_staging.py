@@ -1,4 +1,4 @@
-"""The CUDA staging path (fastckpt/_device.py): pinned pool buffers, side-stream copies, events.
+"""The CUDA staging path (fastckpt/engine/device.py): pinned pool buffers, side-stream copies, events.
 
 The build machines have no GPU, so these tests drive the real staging, pool and writer code with
 a **simulated** CUDA backend (``SimCuda``): "device" tensors are CPU tensors of one dtype, and a
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt import _device
-from fastckpt._native import _address
+from fastckpt.engine import device as _device
+from fastckpt.storage.pyio import _address
 
 DEVICE_DTYPE = torch.float32  # the simulated "device" tensors; everything else is host memory
 
@@ -285,7 +285,7 @@ def test_load_into_device_tensors_from_pinned_buffers(root, sim, monkeypatch):
     st = _state(11, 24)
     with fastckpt.Checkpointer(root, staging_cap_bytes=8 << 20) as ck:  # ~12 files of 2 MiB
         ck.save(st, step=1).wait()
-    import fastckpt.reader as reader
+    import fastckpt.engine.reader as reader
     monkeypatch.setattr(reader, "SPAN_MAX", 2 << 20)
     cuda = sim()
     out = _blank(24)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt import _dist
-from fastckpt.commit import commit
+from fastckpt.engine import dist as _dist
+from fastckpt.engine.commit import commit
 from tests.crash_worker import blank, state_for
 from tests.models import mlp
 

@@ -25,10 +25,10 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt import format as fmt
+from fastckpt.manifest import schema as fmt
 from fastckpt import tools
 from fastckpt.errors import FastCkptError
-from fastckpt.reader import find_step
+from fastckpt.manifest.discovery import find_step
 from tests.crafted import guarded, outside_calls, read_doc, write_doc, write_raw
 
 SEED = 20261201

@@ -22,10 +22,10 @@ import torch
 
 import fastckpt
 from fastckpt import cli, tools
-from fastckpt import format as fmt
-from fastckpt.checkpointer import load_into
+from fastckpt.manifest import schema as fmt
+from fastckpt.engine.load import load_into
 from fastckpt.errors import CorruptCheckpointError, UnsupportedStateError, WriterLockedError
-from fastckpt.reader import find_step
+from fastckpt.manifest.discovery import find_step
 from fastckpt.storage import LocalStorage
 from tests import distributed
 from tests.crafted import guarded, outside_calls, read_doc, write_doc, write_raw
@@ -510,10 +510,10 @@ def test_huge_declared_tensor_is_not_allocated(root, monkeypatch):
     c["sizes"], c["length"] = [n], 4 * n
     body["files"][c["file"]]["size"] = c["offset"] + 4 * n
     write_doc(root, 1, doc)
-    from fastckpt import checkpointer
+    from fastckpt.engine import load as engine_load
     sizes = []
-    real = checkpointer._alloc_in_phase
-    monkeypatch.setattr(checkpointer, "_alloc_in_phase",
+    real = engine_load.alloc_in_phase
+    monkeypatch.setattr(engine_load, "alloc_in_phase",
                         lambda body, fqn, meta: sizes.append(meta["shape"]) or real(body, fqn,
                                                                                       meta))
     with pytest.raises(CorruptCheckpointError, match="truncated"):

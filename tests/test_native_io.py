@@ -1,4 +1,4 @@
-"""Tests of fastckpt._native: the native and pure-Python I/O backends must write byte-identical
+"""Tests of fastckpt.storage.native: the native and pure-Python I/O backends must write byte-identical
 files and return identical xxh3-64 hashes (== xxhash.xxh3_64_intdigest)."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import threading
 import pytest
 import xxhash
 
-from fastckpt import _native
-from fastckpt._native import NativeBackend, PythonBackend, aligned_buffer
+from fastckpt.storage import native as _native
+from fastckpt.storage import pyio as _pyio
+from fastckpt.storage.native import NativeBackend, PythonBackend, aligned_buffer
 
 MiB = 1 << 20
 SIZES = [0, 1, 4095, 4096, 4097, 3 * MiB + 123, 40 * MiB]
@@ -57,7 +58,7 @@ def make_ranges(n: int, seed: int = 1) -> list[tuple[int, int]]:
 
 
 def expected(data: bytes, ranges) -> tuple[int, list[int]]:
-    return xxhash.xxh3_64_intdigest(data), [xxhash.xxh3_64_intdigest(data[o:o + ln]) for o, ln in ranges]
+    return [xxhash.xxh3_64_intdigest(data[o:o + ln]) for o, ln in ranges]
 
 
 def read_file(path) -> bytes:
@@ -79,8 +80,9 @@ def test_round_trip(backend, tmp_path, size, direct):
     buf[size:size + 4096] = b"\xee" * 4096
     ranges = make_ranges(size)
     path = tmp_path / "shard.bin"
-    h, rh = backend.write_file(str(path), buf, size, ranges, direct=direct, fsync=True)
-    assert (h, rh) == expected(data, ranges)
+    rh = backend.write_file(str(path), buf, size, ranges, direct=direct, fsync=True)
+    assert rh == expected(data, ranges)
+    h = xxhash.xxh3_64_intdigest(data)
     assert os.path.getsize(path) == size
     assert read_file(path) == data
     assert os.stat(path).st_mode & 0o777 == 0o644 & ~_umask()
@@ -123,7 +125,8 @@ def test_unaligned_and_odd_buffers(backend, tmp_path, size):
     # exact-size aligned buffer: no slack for the padded last block -> must still work
     buf = memoryview(aligned_buffer(size + 4096))[:size]
     buf[:] = data
-    assert backend.write_file(str(tmp_path / "g"), buf, size, [], direct=True)[0] == xxhash.xxh3_64_intdigest(data)
+    assert backend.write_file(str(tmp_path / "g"), buf, size, [(0, size)], direct=True) == \
+        [xxhash.xxh3_64_intdigest(data)]
     assert read_file(tmp_path / "g") == data
 
 
@@ -132,8 +135,9 @@ def test_numpy_buffer(backend, tmp_path):
     arr = np.arange(300_000, dtype=np.float32).reshape(1000, 300)
     raw = arr.tobytes()
     path = str(tmp_path / "np")
-    h, rh = backend.write_file(path, arr, arr.nbytes, [(4, 400)])
-    assert (h, rh) == expected(raw, [(4, 400)])
+    rh = backend.write_file(path, arr, arr.nbytes, [(4, 400)])
+    assert rh == expected(raw, [(4, 400)])
+    h = xxhash.xxh3_64_intdigest(raw)
     out = np.zeros_like(arr)
     assert backend.read_into(path, 0, out, out.nbytes) == h
     assert (out == arr).all()
@@ -313,7 +317,8 @@ def test_o_direct_refused_falls_back(small_block_backend, ramfs):
     buf = aligned_buffer(n)
     data = fill(buf, n, seed=4)
     path = str(ramfs / "f")
-    assert small_block_backend.write_file(path, buf, n, [], direct=True)[0] == xxhash.xxh3_64_intdigest(data)
+    assert small_block_backend.write_file(path, buf, n, [(0, n)], direct=True) == \
+        [xxhash.xxh3_64_intdigest(data)]
     assert read_file(path) == data
     out = aligned_buffer(n)
     assert small_block_backend.read_into(path, 0, out, n, direct=True) == xxhash.xxh3_64_intdigest(data)
@@ -419,11 +424,11 @@ def test_aligned_buffer():
         b = aligned_buffer(n)
         assert len(b) == (n + 4095) // 4096 * 4096
         assert not b.readonly
-        assert _native._address(b) % 4096 == 0 if len(b) else True
+        assert _pyio._address(b) % 4096 == 0 if len(b) else True
 
 
 # ------------------------------------------------------------------------------------------
-# copy_hash (staging's fused copy + checksum) and write_file(whole=False)
+# copy_hash (staging's fused copy + checksum)
 # ------------------------------------------------------------------------------------------
 
 
@@ -441,14 +446,6 @@ def test_copy_hash_copies_and_hashes(backend, n):
     assert backend.copy_hash(dst, 0, addr, n, hash=False) is None
     with pytest.raises(ValueError, match="outside buffer"):
         backend.copy_hash(dst, len(dst) - n + 1, addr, n)
-
-
-def test_write_file_without_whole_hash(backend, tmp_path):
-    buf = aligned_buffer(3 * MiB)
-    data = fill(buf, 3 * MiB - 11)
-    h, rh = backend.write_file(str(tmp_path / "f"), buf, len(data), [(5, 1000)], whole=False)
-    assert h is None and rh == [xxhash.xxh3_64_intdigest(data[5:1005])]
-    assert read_file(tmp_path / "f") == data
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt import _native
-from fastckpt import reader as R
+from fastckpt.storage import native as _native
+from fastckpt.engine import reader as R
 
 
 @pytest.fixture(params=["off", "require"])

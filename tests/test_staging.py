@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.staging import StagingPool, split
+from fastckpt.engine.staging import StagingPool, split
 from tests.crash_worker import blank, state_for
 
 
@@ -18,7 +18,7 @@ def _manifest(root, step):
 
 
 def test_split_packs_and_splits_rows():
-    from fastckpt.checkpointer import ChunkSpec
+    from fastckpt.engine.plan import ChunkSpec
     big = ChunkSpec("w", "float32", (100, 1000), (0, 0), (100, 1000), 400_000, False)
     small = ChunkSpec("b", "float32", (10,), (0,), (10,), 40, False)
     row = ChunkSpec("r", "float32", (1, 300_000), (0, 0), (1, 300_000), 1_200_000, False)
@@ -97,9 +97,9 @@ def test_fused_staging_matches_plain_staging():
     torch copy and returns the chunks' xxh3, for contiguous, strided and row-split tensors."""
     import xxhash
 
-    from fastckpt import _native
-    from fastckpt.checkpointer import _local_chunks
-    from fastckpt.staging import stage_piece
+    from fastckpt.storage import native as _native
+    from fastckpt.engine.plan import local_chunks as _local_chunks
+    from fastckpt.engine.staging import stage_piece
 
     g = torch.Generator().manual_seed(0)
     tensors = {"a": torch.randn(300, 500, generator=g),
@@ -122,7 +122,7 @@ def test_fused_staging_matches_plain_staging():
 def test_split_small_first_piece_covers_every_row():
     """A streamed save's first piece is small (the first write starts early); every row of a
     split tensor still lands in exactly one piece."""
-    from fastckpt.checkpointer import ChunkSpec
+    from fastckpt.engine.plan import ChunkSpec
     big = ChunkSpec("w", "float32", (100, 1000), (0, 0), (100, 1000), 400_000, False)
     pieces = split([big], 150_000, first=40_000)
     assert pieces[0].size <= 40_000 and all(p.size <= 150_000 for p in pieces)
@@ -152,11 +152,12 @@ def test_zero_copy_save_round_trip(tmp_path, native, monkeypatch):
     """A blocking save writes large contiguous tensors straight from memory (their file offset
     in phase with their address); everything else goes through the bounce buffer. The result
     loads bit-exact and passes verify."""
-    from fastckpt import _native, tools
-    from fastckpt.staging import PIECE_MIN_DEFAULT
+    from fastckpt import tools
+    from fastckpt.storage import native as _native
+    from fastckpt.engine.staging import PIECE_MIN_DEFAULT
     if native == "require" and not _native.native_available():
         pytest.skip("native extension not built")
-    monkeypatch.setattr("fastckpt.staging.PIECE_MIN_DEFAULT", 2 << 20)  # several pieces
+    monkeypatch.setattr("fastckpt.engine.staging.PIECE_MIN_DEFAULT", 2 << 20)  # several pieces
     assert PIECE_MIN_DEFAULT  # (the module constant is what piece_bytes reads)
     st = _mixed_state()
     root = str(tmp_path / "ck")
@@ -188,9 +189,9 @@ def test_zero_copy_save_round_trip(tmp_path, native, monkeypatch):
 def test_zero_copy_files_match_staged_bytes(tmp_path):
     """Both backends write the same bytes for a zero-copy save (the layout depends only on the
     tensors' addresses), and the bytes of each chunk are the tensor's."""
-    from fastckpt import _native
-    from fastckpt.checkpointer import _local_chunks
-    from fastckpt.staging import gather_piece, stage_piece
+    from fastckpt.storage import native as _native
+    from fastckpt.engine.plan import local_chunks as _local_chunks
+    from fastckpt.engine.staging import gather_piece, stage_piece
 
     st = {k: v for k, v in _mixed_state().items() if isinstance(v, torch.Tensor)}
     chunks, data = _local_chunks(st)

@@ -37,9 +37,6 @@ class Storage(abc.ABC):
     at the same time; no method keeps per-call state on the instance.
     """
 
-    #: how ``publish`` makes a manifest appear atomically: "rename" or "put"
-    commit_strategy: str = "rename"
-
     def __init__(self, root: str) -> None:
         self.root = root.rstrip("/") or "/"
 
@@ -88,13 +85,12 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def write_shard(self, path: str, buf, nbytes: int, ranges: Sequence[tuple[int, int]], *,
-                    hashes: Sequence[int] | None = None, whole: bool = True,
-                    sync_dir: bool = True) -> tuple[int | None, list[int]]:
-        """Write ``buf[:nbytes]`` durably to ``path``; return (file hash, hash of each range).
+                    hashes: Sequence[int] | None = None, sync_dir: bool = True) -> list[int]:
+        """Write ``buf[:nbytes]`` durably to ``path``; return the xxh3-64 of each range.
 
         ``hashes``: the ranges' hashes, already computed (staging fuses them into its copy), so
-        the bytes are not read again; ``whole=False``: no file hash (None). ``sync_dir=False``:
-        the file is durable but its directory entry is not, until :meth:`sync_dir`.
+        the bytes are not read again. ``sync_dir=False``: the file is durable but its directory
+        entry is not, until :meth:`sync_dir`.
         """
 
     #: whether :meth:`write_gathered` is available (zero-copy saves)

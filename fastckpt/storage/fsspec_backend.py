@@ -50,7 +50,7 @@ from typing import Sequence
 
 import xxhash
 
-from .. import _native
+from . import native as _native
 from .base import Storage, storage_error
 
 log = logging.getLogger("fastckpt")
@@ -97,7 +97,6 @@ class FsspecStorage(Storage):
     the file system and :attr:`unaborted` with it.
     """
 
-    commit_strategy = "put"
 
     def __init__(self, url: str, *, io_mode: str = "auto", storage_options: dict,
                  op_timeout_s: float = 120.0) -> None:
@@ -226,14 +225,12 @@ class FsspecStorage(Storage):
             raise storage_error(e, "stat", self.display(path)) from e
 
     def write_shard(self, path: str, buf, nbytes: int, ranges: Sequence[tuple[int, int]], *,
-                    hashes: Sequence[int] | None = None, whole: bool = True,
-                    sync_dir: bool = True) -> tuple[int | None, list[int]]:
+                    hashes: Sequence[int] | None = None, sync_dir: bool = True) -> list[int]:
         mv = memoryview(buf).cast("B")[:nbytes]
         if len(mv) != nbytes:
             raise ValueError(f"buffer holds {len(mv)} bytes, asked to write {nbytes}")
         if hashes is not None and len(hashes) != len(ranges):
             raise ValueError(f"{len(hashes)} hashes given for {len(ranges)} ranges")
-        h = xxhash.xxh3_64() if whole else None
         f = None
         pos = 0
         try:
@@ -241,8 +238,6 @@ class FsspecStorage(Storage):
                  else self.fs.open(path, "wb", block_size=_CHUNK))
             while pos < nbytes:
                 piece = mv[pos:pos + _CHUNK]
-                if h is not None:
-                    h.update(piece)
                 f.write(piece)
                 pos += len(piece)
             f.close()  # the commit: completes the multipart upload / PUTs a small object
@@ -254,7 +249,7 @@ class FsspecStorage(Storage):
                                 note=note) from e
         if hashes is None:
             hashes = [self.io.hash(mv[o:o + n], n) for o, n in ranges]
-        return (h.intdigest() if h is not None else None), list(hashes)
+        return list(hashes)
 
     def _abandon(self, f, path: str) -> str | None:
         """Throw away a failed upload without committing it (see the module docstring); return

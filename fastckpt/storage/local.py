@@ -18,7 +18,7 @@ import stat
 import uuid
 from typing import Sequence
 
-from .. import _native
+from . import native as _native
 from ..errors import NotRegularFileError
 from .base import Storage, storage_error
 
@@ -51,7 +51,6 @@ def _fsync_dir(path: str) -> None:
 
 
 class LocalStorage(Storage):
-    commit_strategy = "rename"
 
     def __init__(self, root: str, *, io_mode: str = "auto", direct_io: bool = True) -> None:
         super().__init__(os.path.abspath(os.path.expanduser(root)))
@@ -126,16 +125,15 @@ class LocalStorage(Storage):
         return st.st_size
 
     def write_shard(self, path: str, buf, nbytes: int, ranges: Sequence[tuple[int, int]], *,
-                    hashes: Sequence[int] | None = None, whole: bool = True,
-                    sync_dir: bool = True) -> tuple[int | None, list[int]]:
+                    hashes: Sequence[int] | None = None, sync_dir: bool = True) -> list[int]:
         if hashes is not None and len(hashes) != len(ranges):
             raise ValueError(f"{len(hashes)} hashes given for {len(ranges)} ranges")
         try:
-            fh, rh = self.io.write_file(path, buf, nbytes, [] if hashes is not None else ranges,
-                                        direct=self.direct_io, fsync=True, whole=whole)
+            rh = self.io.write_file(path, buf, nbytes, [] if hashes is not None else ranges,
+                                    direct=self.direct_io, fsync=True)
             if sync_dir:
                 _fsync_dir(os.path.dirname(path))
-            return fh, list(hashes) if hashes is not None else rh
+            return list(hashes) if hashes is not None else rh
         except OSError as e:
             raise storage_error(e, "writing the shard", path) from e
 

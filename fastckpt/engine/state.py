@@ -16,30 +16,22 @@ metadata) plus the callbacks that put plain values and sub-states back once the 
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from . import format as fmt
-from .errors import StateMismatchError, UnsupportedStateError
-
-TENSOR_TAG = "$tensor"
+from ..errors import StateMismatchError, UnsupportedStateError
+from ..manifest import schema as fmt
+from ..manifest.values import TENSOR_TAG, decode_value, encode_value, skel_items, skel_seq
+from ..manifest.values import fqn as _fqn
+from ..manifest.values import path_str as _path_str
 
 def is_dtensor(x: Any) -> bool:
     # a DTensor can only exist once its module was imported: no need to import it here (slow)
     mod = sys.modules.get("torch.distributed.tensor")
     return mod is not None and isinstance(x, mod.DTensor)
-
-
-def _fqn(path: tuple) -> str:
-    return ".".join(str(p) for p in path)
-
-
-def _path_str(path: tuple) -> str:
-    return _fqn(path) if path else "<root>"
 
 
 def _is_module(x: Any) -> bool:
@@ -52,78 +44,6 @@ def _is_optimizer(x: Any) -> bool:
 
 def _is_stateful(x: Any) -> bool:
     return callable(getattr(x, "state_dict", None)) and callable(getattr(x, "load_state_dict", None))
-
-
-# ----------------------------------------------------------------------------------- plain values
-
-def encode_value(x: Any, path: tuple) -> Any:
-    """Encode a plain Python value as JSON data; raise UnsupportedStateError naming the path."""
-    if x is None or isinstance(x, bool):
-        return x
-    if isinstance(x, int):
-        return int(x)
-    if isinstance(x, float):
-        f = float(x)
-        if math.isfinite(f):
-            return f
-        return {"$float": "nan" if math.isnan(f) else ("inf" if f > 0 else "-inf")}
-    if isinstance(x, str):
-        return str(x)
-    if isinstance(x, list):
-        return [encode_value(v, path + (i,)) for i, v in enumerate(x)]
-    if isinstance(x, tuple):
-        return {"$tuple": [encode_value(v, path + (i,)) for i, v in enumerate(x)]}
-    if isinstance(x, dict):
-        if all(isinstance(k, str) and not k.startswith("$") for k in x):
-            return {k: encode_value(v, path + (k,)) for k, v in x.items()}
-        return {"$dict": [[encode_value(k, path + ("<key>",)), encode_value(v, path + (k,))]
-                          for k, v in x.items()]}
-    raise UnsupportedStateError(
-        f"cannot store a {type(x).__module__}.{type(x).__qualname__} at key path "
-        f"{_path_str(path)!r}: state may hold tensors, DTensors, modules, optimizers, objects with "
-        "state_dict()/load_state_dict(), and plain int/float/str/bool/None values in dicts, lists "
-        "and tuples (convert numpy values with .item() or .tolist())")
-
-
-def decode_value(x: Any, tensor_for: Callable[[str], Any] | None = None) -> Any:
-    """Inverse of the skeleton encoding; ``tensor_for(fqn)`` supplies tensors for references."""
-    if isinstance(x, list):
-        return [decode_value(v, tensor_for) for v in x]
-    if isinstance(x, dict):
-        if TENSOR_TAG in x:
-            if tensor_for is None:
-                raise StateMismatchError("unexpected tensor reference in plain data",
-                                         key=x[TENSOR_TAG])
-            return tensor_for(x[TENSOR_TAG])
-        if "$tuple" in x:
-            return tuple(decode_value(v, tensor_for) for v in x["$tuple"])
-        if "$dict" in x:
-            return {_hashable(decode_value(k)): decode_value(v, tensor_for) for k, v in x["$dict"]}
-        if "$float" in x:
-            return float(x["$float"])
-        return {k: decode_value(v, tensor_for) for k, v in x.items()}
-    return x
-
-
-def _hashable(k: Any) -> Any:
-    return tuple(_hashable(v) for v in k) if isinstance(k, list) else k
-
-
-def _skel_items(skel: Any) -> list[tuple[Any, Any]] | None:
-    """(key, child) pairs of a skeleton dict node, decoding non-string keys; None if not a dict."""
-    if not isinstance(skel, dict) or TENSOR_TAG in skel or "$tuple" in skel or "$float" in skel:
-        return None
-    if "$dict" in skel:
-        return [(_hashable(decode_value(k)), v) for k, v in skel["$dict"]]
-    return list(skel.items())
-
-
-def _skel_seq(skel: Any) -> list | None:
-    if isinstance(skel, list):
-        return skel
-    if isinstance(skel, dict) and "$tuple" in skel:
-        return skel["$tuple"]
-    return None
 
 
 # ------------------------------------------------------------------------------ adapters (objects)
@@ -183,7 +103,7 @@ def _fresh_plain_optimizer(o: torch.optim.Optimizer, modules: list, skel: Any) -
 
 
 def _skel_items_dict(skel: Any) -> dict:
-    items = _skel_items(skel)
+    items = skel_items(skel)
     return dict(items) if items is not None else {}
 
 
@@ -297,7 +217,7 @@ def _plan_container(dest: Any, skel: Any, path: tuple, plan: LoadPlan, meta: dic
     for a module's state dict they are an error in strict mode.
     """
     if isinstance(dest, dict):
-        items = _skel_items(skel)
+        items = skel_items(skel)
         if items is None:
             raise StateMismatchError(f"checkpoint holds {_kind(skel)} where the state holds a dict",
                                      key=_path_str(path))
@@ -320,7 +240,7 @@ def _plan_container(dest: Any, skel: Any, path: tuple, plan: LoadPlan, meta: dic
             _plan_slot(dest, k, child, path + (k,), plan, meta, strict, alloc, modules)
         return
     if isinstance(dest, list):
-        seq = _skel_seq(skel)
+        seq = skel_seq(skel)
         if seq is None or len(seq) != len(dest):
             raise StateMismatchError(
                 f"checkpoint holds {_kind(skel)} where the state holds a list of {len(dest)}",
@@ -334,9 +254,9 @@ def _plan_container(dest: Any, skel: Any, path: tuple, plan: LoadPlan, meta: dic
 def _kind(skel: Any) -> str:
     if isinstance(skel, dict) and TENSOR_TAG in skel:
         return "a tensor"
-    if _skel_seq(skel) is not None:
-        return f"a sequence of {len(_skel_seq(skel))}"
-    if _skel_items(skel) is not None:
+    if skel_seq(skel) is not None:
+        return f"a sequence of {len(skel_seq(skel))}"
+    if skel_items(skel) is not None:
         return "a dict"
     return f"the value {decode_value(skel)!r}"
 

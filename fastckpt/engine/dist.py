@@ -1,4 +1,4 @@
-"""The only module that talks to ``torch.distributed``.
+"""The only module that talks to ``torch.distributed``'s process groups.
 
 Two channels:
 
@@ -34,6 +34,18 @@ def destroy() -> None:
     """Shut down the default process group (the emergency exit path)."""
     if initialized():
         dist.destroy_process_group()
+
+
+def init_gloo(rank: int, world_size: int, timeout_s: float = 1800.0) -> None:
+    """Start a gloo process group from MASTER_ADDR/MASTER_PORT (``fastckpt bench``'s workers)."""
+    import datetime
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def barrier() -> None:
+    if initialized():
+        dist.barrier()
 
 
 def all_gather_object(obj: Any) -> list[Any]:

@@ -21,7 +21,7 @@ import json
 import time
 from typing import Any, Callable
 
-from .errors import CommitTimeoutError, SaveFailedError
+from ..errors import CommitTimeoutError, SaveFailedError
 
 
 #: how much longer than the coordinator the other ranks wait for its decision

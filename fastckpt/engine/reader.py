@@ -1,4 +1,4 @@
-"""Reading checkpoints: finding the newest committed step, and a DCP ``StorageReader``.
+"""Reading checkpoints: a DCP ``StorageReader`` over one committed step.
 
 Resharding is DCP's: :class:`FastCkptReader` presents a fastckpt manifest to
 ``torch.distributed.checkpoint.load`` as DCP ``Metadata`` (every tensor's global shape and the
@@ -13,9 +13,7 @@ checkpoint with ``dcp.load(state_dict, storage_reader=FastCkptReader(root))``.
 
 from __future__ import annotations
 
-import errno
 import io
-import logging
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -29,130 +27,15 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from . import _device
-from . import format as fmt
-from ._native import _address, _raw_view, aligned_buffer, get_backend
-from ._tree import decode_value
-from .errors import (CheckpointNotFoundError, CorruptCheckpointError, NotRegularFileError,
-                     StepRemovedError, StorageError)
-from .storage import Storage, open_storage
-
-
-# ------------------------------------------------------------------------------- finding steps
-
-log = logging.getLogger("fastckpt")
-
-#: full scans of a root that keeps changing before ``find_step`` gives up (with an error that
-#: is not "no checkpoint": a job script must never start fresh because a writer was busy)
-MAX_SCANS = 20
-
-
-def list_steps(storage: Storage) -> list[tuple[int, str]]:
-    """(step, directory) of every step directory under the root, ascending (links inside a
-    local root are left out: see fastckpt/storage/local.py)."""
-    out = []
-    for name in storage.listdir(storage.root):
-        s = fmt.parse_step_dirname(name)
-        if s is not None:
-            out.append((s, storage.join(name)))
-    return sorted(out)
-
-
-def read_manifest(storage: Storage, step_dir: str, *, step: int | None = None) -> dict | None:
-    """The validated manifest body of a step directory; None if it has no manifest (or it was
-    removed between the stat and the read). CorruptCheckpointError when it is damaged, crafted,
-    too large, or not a regular file; StorageError when the storage cannot be read."""
-    path = f"{step_dir}/{fmt.MANIFEST}"
-    try:
-        n = storage.size(path)
-        if n is None:
-            return None
-        if n > fmt.MAX_MANIFEST_BYTES:
-            raise CorruptCheckpointError(f"manifest is {n} bytes, more than the "
-                                         f"{fmt.MAX_MANIFEST_BYTES} fastckpt reads", file=path)
-        data = storage.read_bytes(path)
-    except NotRegularFileError as e:
-        raise CorruptCheckpointError(f"the manifest is not a regular file ({e})",
-                                     file=path) from None
-    except StorageError as e:
-        if _is_missing(e):  # removed since the stat: retention or gc
-            return None
-        raise
-    return fmt.decode_manifest(data, file=path, step=step)
-
-
-def _is_missing(e: BaseException) -> bool:
-    return (getattr(e, "errno", None) == errno.ENOENT
-            or isinstance(e.__cause__, FileNotFoundError))
-
-
-def find_step(storage: Storage, step: int | None = None, *,
-              skipped: list | None = None) -> tuple[int, str, dict]:
-    """The requested step, or the newest step with a valid manifest.
-
-    ``step=None``: a step whose manifest is damaged is skipped with a warning naming it (and
-    appended to ``skipped``) so that one bad step never stops a resume; CorruptCheckpointError
-    only when damaged manifests are all there is. The ``latest`` hint is not consulted: the
-    listing decides. Safe against a writer committing and removing steps meanwhile (retention
-    after each commit): a pass newest-first that finds nothing is confirmed by a pass
-    oldest-first and a second listing. In an oldest-first pass that misses, every committed step
-    it listed was removed before it was read, which retention does only after committing a
-    newer step; the newest committed step is never removed, so it is in the second listing and
-    not in the first, and the scan runs again. So CheckpointNotFoundError means there was an
-    instant with no committed step, never "a writer was busy".
-
-    ``step=N``: that step or CheckpointNotFoundError; a damaged manifest raises
-    CorruptCheckpointError naming it.
-    """
-    if step is not None:
-        d = storage.join(fmt.step_dirname(step))
-        body = read_manifest(storage, d, step=step)
-        if body is None:
-            raise CheckpointNotFoundError(f"step {step} has no committed checkpoint under "
-                                          f"{storage.root}", file=d)
-        return step, d, body
-    bad: dict[int, CorruptCheckpointError] = {}
-
-    def scan(listing: list, newest_first: bool) -> tuple[int, str, dict] | None:
-        hit = None
-        for s, d in (reversed(listing) if newest_first else listing):
-            try:
-                body = read_manifest(storage, d, step=s)
-            except CorruptCheckpointError as e:
-                bad[s] = e
-                continue
-            if body is not None:
-                bad.pop(s, None)
-                hit = (s, d, body)
-                if newest_first:
-                    break
-        return hit
-
-    for _ in range(MAX_SCANS):
-        listing = list_steps(storage)
-        hit = scan(listing, True)
-        if hit is None:
-            listing = list_steps(storage)
-            hit = scan(listing, False)
-        if hit is not None:
-            newer = sorted(s for s in bad if s > hit[0])
-            for s in newer:
-                log.warning("fastckpt: skipping step %d, its manifest is damaged (%s); the "
-                            "newest valid step is %d", s, bad[s], hit[0])
-                if skipped is not None:
-                    skipped.append(bad[s])
-            return hit
-        again = {s for s, _ in list_steps(storage)}
-        if again <= {s for s, _ in listing}:
-            break
-    else:
-        raise StorageError(f"the root kept changing over {MAX_SCANS} scans (steps committed "
-                           "and removed faster than they could be listed); try again",
-                           file=storage.root)
-    if bad:  # damaged manifests are all there is: the newest one's error (file, tensor)
-        raise bad[max(bad)]
-    what = f"{len(listing)} step directories, none committed" if listing else "nothing"
-    raise CheckpointNotFoundError(f"no committed checkpoint under {storage.root} ({what})")
+from ..errors import CorruptCheckpointError, NotRegularFileError, StepRemovedError, StorageError
+from ..manifest import schema as fmt
+from ..manifest.discovery import find_step, is_missing, read_manifest
+from ..manifest.values import decode_value
+from ..storage import Storage, open_storage
+from ..storage.native import get_backend
+from ..storage.pyio import _address, _raw_view, aligned_buffer
+from . import device as _device
+from .dtypes import torch_dtype
 
 
 # ---------------------------------------------------------------------------------- DCP reader
@@ -199,7 +82,7 @@ class FastCkptReader(StorageReader):
         sd_meta: dict[str, Any] = {}
         storage_data: dict[MetadataIndex, Any] = {}
         for fqn, t in self.body["tensors"].items():
-            dtype = fmt.dtype_from_name(t["dtype"], file=mpath)
+            dtype = torch_dtype(t["dtype"], file=mpath)
             chunks = []
             for c in t["chunks"]:
                 chunks.append(ChunkStorageMetadata(offsets=torch.Size(c["offsets"]),
@@ -306,8 +189,8 @@ class FastCkptReader(StorageReader):
                 and not t.is_conj() and not t.is_neg() and t.numel() * t.element_size() == n
                 and list(t.shape) == list(c["sizes"])
                 and not any(req.storage_offsets) and list(req.lengths) == list(c["sizes"])
-                and t.dtype == fmt.dtype_from_name(self.body["tensors"][fqn]["dtype"],
-                                                   file=f"{self.step_dir}/{fmt.MANIFEST}")
+                and t.dtype == torch_dtype(self.body["tensors"][fqn]["dtype"],
+                                      file=f"{self.step_dir}/{fmt.MANIFEST}")
                 and (t.data_ptr() - int(c["offset"])) % fmt.ALIGN == 0)
 
     def _read_direct(self, d: "_Direct") -> int | None:
@@ -391,7 +274,7 @@ class FastCkptReader(StorageReader):
                 if err is not None:
                     if isinstance(err, (CorruptCheckpointError, StepRemovedError)):
                         raise err
-                    if _is_missing(err):
+                    if is_missing(err):
                         self._raise_if_removed()
                     raise CorruptCheckpointError(
                         f"cannot read {it.length} bytes: {err}", file=f"{self.step_dir}/{it.file}",
@@ -412,7 +295,7 @@ class FastCkptReader(StorageReader):
         """The saved chunk as a tensor over ``buf``, after checking its checksum."""
         path = f"{self.step_dir}/{c['file']}"
         n = int(c["length"])
-        dtype = fmt.dtype_from_name(self.body["tensors"][fqn]["dtype"], file=path)
+        dtype = torch_dtype(self.body["tensors"][fqn]["dtype"], file=path)
         if n == 0:
             return torch.empty(c["sizes"], dtype=dtype)
         rel = int(c["offset"]) - span.start

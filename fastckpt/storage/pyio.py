@@ -1,17 +1,10 @@
-"""fastckpt's hot I/O path: whole-shard writes and region reads with fused xxh3-64 checksums.
+"""The pure-Python I/O backend and the buffer helpers both backends share.
 
-This is the only module that loads the C extension ``fastckpt._native_ext`` (``native/fastckpt_io.c``).
-Two interchangeable backends implement :class:`IOBackend`:
-
-* ``native`` -- the extension: worker pthreads keep several 16 MiB ``pwrite``/``pread`` requests in
-  flight while the calling thread hashes the same bytes; the GIL is released throughout.
-* ``python`` -- the same algorithm with ``os.pwrite``/``os.preadv`` on Python threads and the
-  ``xxhash`` package's streaming xxh3-64 (which releases the GIL on large updates).
-
-Both produce byte-identical files and identical hashes (xxh3-64, seed 0, as
-``xxhash.xxh3_64_intdigest``).  O_DIRECT is used when the buffer is 4096-aligned and long enough to
-pad the last block (see :func:`aligned_buffer`), and silently replaced by buffered I/O where the
-file system refuses it (EINVAL).
+``PythonBackend`` runs the native backend's algorithm with ``os.pwrite``/``os.preadv`` on Python
+threads and the ``xxhash`` package's streaming xxh3-64: byte-identical files, identical hashes.
+It is what runs where the C extension is not built, and in CI's second pass
+(``FASTCKPT_NATIVE=off``). Buffers: :func:`aligned_buffer` (page-aligned, for O_DIRECT) and raw
+address views for zero-copy writes.
 """
 
 from __future__ import annotations
@@ -24,57 +17,16 @@ import mmap
 import os
 import stat
 import threading
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import xxhash
-
-__all__ = [
-    "ALIGN",
-    "DEFAULT_BLOCK_SIZE",
-    "DEFAULT_DEPTH",
-    "IOBackend",
-    "NativeBackend",
-    "PythonBackend",
-    "aligned_buffer",
-    "get_backend",
-    "native_available",
-    "native_error",
-]
 
 ALIGN = 4096
 DEFAULT_BLOCK_SIZE = 16 << 20  # per request; measured best of 1/4/8/16 MiB (native/README.md)
 DEFAULT_DEPTH = 4  # requests in flight (worker threads)
-_RANGES_THREAD_MIN = 4 << 20  # hash the ranges on a second thread when they total this much
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-
-_BUILD_HINT = (
-    "build it with: apt-get install -y libxxhash-dev (provides xxhash.h), then "
-    "`pip install -e .` or `python setup.py build_ext --inplace` in the fastckpt checkout"
-)
-
-# --------------------------------------------------------------------------------------------
-# loading the extension
-# --------------------------------------------------------------------------------------------
-
-_ext = None
-_ext_error: str | None = None
-try:
-    from . import _native_ext as _ext  # type: ignore[attr-defined, no-redef]
-except Exception as e:  # ImportError, or a broken/ABI-mismatched .so
-    _ext = None
-    _ext_error = f"{type(e).__name__}: {e}"
-
-
-def native_available() -> bool:
-    """True when the C extension loaded."""
-    return _ext is not None
-
-
-def native_error() -> str | None:
-    """Why the C extension did not load (None when it did)."""
-    return None if _ext is not None else (_ext_error or "fastckpt._native_ext not loaded")
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,113 +141,6 @@ def _eof_error(path: str, nbytes: int, file_offset: int, size: int) -> EOFError:
     return EOFError(f"{path}: expected {nbytes} bytes at offset {file_offset}, file ended at {size}")
 
 
-def _hash_ranges(mv: memoryview, ranges: list[tuple[int, int]]) -> list[int]:
-    h = xxhash.xxh3_64_intdigest
-    return [h(mv[off:off + ln]) for off, ln in ranges]
-
-
-# --------------------------------------------------------------------------------------------
-# the protocol
-# --------------------------------------------------------------------------------------------
-
-
-class IOBackend(Protocol):
-    name: str  # "native" or "python"
-
-    def write_file(self, path: str, buf, nbytes: int, ranges: Sequence[tuple[int, int]], *,
-                   direct: bool = True, fsync: bool = True,
-                   whole: bool = True) -> tuple[int | None, list[int]]:
-        """Create/truncate ``path`` (0o644) holding exactly ``buf[0:nbytes]``.
-
-        Returns ``(xxh3_64(buf[:nbytes]), [xxh3_64(buf[off:off+len]) for off, len in ranges])``,
-        hashed while writing; ``whole=False`` skips the first hash (None in its place).  O_DIRECT when ``direct`` and buf is 4096-aligned with
-        ``len(buf) >= round_up(nbytes, 4096)`` (the slack past nbytes is written, then truncated).
-        Preallocates nbytes; fsyncs when ``fsync``.  Errors: OSError naming path and offset.
-        """
-        ...
-
-    def read_into(self, path: str, file_offset: int, buf, nbytes: int, *, direct: bool = True,
-                  hash: bool = True) -> int | None:
-        """Read exactly nbytes at file_offset into writable ``buf[0:nbytes]``; return their xxh3_64
-        (None with ``hash=False``).
-
-        O_DIRECT when ``direct``, buf 4096-aligned, file_offset % 4096 == 0 and
-        ``len(buf) >= round_up(nbytes, 4096)`` (the slack may receive bytes past nbytes).
-        A file too short raises EOFError naming the path.
-        """
-        ...
-
-    def hash(self, buf, nbytes: int) -> int:
-        """xxh3_64 of buf[0:nbytes]."""
-        ...
-
-    def copy_hash(self, dst, dst_offset: int, src_address: int, nbytes: int, *,
-                  hash: bool = True) -> int | None:
-        """Copy ``nbytes`` from the raw address ``src_address`` (memory the caller keeps alive
-        and unchanged during the call) into ``dst[dst_offset:]``; with ``hash`` also return
-        their xxh3_64, computed in the same pass (else None)."""
-        ...
-
-    def copy(self, dst_address: int, src_address: int, nbytes: int) -> None:
-        """memcpy between raw addresses (valid, non-overlapping) with the GIL released."""
-        ...
-
-    def write_segments(self, path: str, nbytes: int, segments: Sequence[tuple[int, int, int]],
-                       hash_ranges: Sequence[tuple[int, int]], *, direct: bool = True,
-                       fsync: bool = True) -> list[int]:
-        """Create/truncate ``path`` holding ``nbytes`` bytes gathered from memory: ``segments``
-        are ``(file_offset, address, length)``, in order and contiguous, covering the file (the
-        last may run on to the next 4096 boundary; the file is truncated after). O_DIRECT when
-        every offset, address and length is a multiple of 4096. Returns the xxh3_64 of each
-        ``(address, length)`` in ``hash_ranges``, computed while the requests are in flight.
-        The memory must stay valid and unchanged during the call."""
-        ...
-
-
-# --------------------------------------------------------------------------------------------
-# native backend
-# --------------------------------------------------------------------------------------------
-
-
-class NativeBackend:
-    """The C extension (worker pthreads + fused xxh3, GIL released)."""
-
-    name = "native"
-
-    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, depth: int = DEFAULT_DEPTH) -> None:
-        if _ext is None:
-            raise ImportError(f"fastckpt native I/O extension unavailable ({native_error()}); {_BUILD_HINT}")
-        if block_size <= 0 or block_size % ALIGN:
-            raise ValueError("block_size must be a positive multiple of 4096")
-        self.block_size = block_size
-        self.depth = max(1, int(depth))
-
-    def write_file(self, path, buf, nbytes, ranges, *, direct=True, fsync=True, whole=True):
-        h, rh = _ext.write_file(os.fspath(path), buf, nbytes, ranges, direct, fsync,
-                                self.block_size, self.depth, whole)
-        return h, rh
-
-    def read_into(self, path, file_offset, buf, nbytes, *, direct=True, hash=True):
-        return _ext.read_into(os.fspath(path), file_offset, buf, nbytes, direct, self.block_size,
-                              self.depth, hash)
-
-    def hash(self, buf, nbytes):
-        return _ext.hash(buf, nbytes)
-
-    def copy_hash(self, dst, dst_offset, src_address, nbytes, *, hash=True):
-        return _ext.copy_hash(dst, dst_offset, src_address, nbytes, hash)
-
-    def copy(self, dst_address, src_address, nbytes):
-        _ext.copy(dst_address, src_address, nbytes)
-
-    def write_segments(self, path, nbytes, segments, hash_ranges, *, direct=True, fsync=True):
-        return _ext.write_segments(os.fspath(path), nbytes, segments, hash_ranges, direct, fsync,
-                                   self.block_size, self.depth)
-
-    def __repr__(self) -> str:
-        return f"NativeBackend(block_size={self.block_size}, depth={self.depth})"
-
-
 # --------------------------------------------------------------------------------------------
 # pure-Python backend
 # --------------------------------------------------------------------------------------------
@@ -377,105 +222,17 @@ class PythonBackend:
 
     # -- write ----------------------------------------------------------------------------
 
-    def write_file(self, path, buf, nbytes, ranges, *, direct=True, fsync=True, whole=True):
-        path = os.fspath(path)
+    def write_file(self, path, buf, nbytes, ranges, *, direct=True, fsync=True):
+        # a buffer is one segment of memory: the same path as a gathered write
         mv = _byte_view(buf)
         _check_nbytes(mv, nbytes)
         rlist = _check_ranges(ranges, nbytes)
-        use_direct = bool(direct and _O_DIRECT and nbytes > 0 and mv.nbytes >= _round_up(nbytes)
-                          and _address(mv) % ALIGN == 0)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC
-        fd = -1
-        if use_direct:
-            try:
-                fd = os.open(path, flags | _O_DIRECT, 0o644)
-            except OSError as e:
-                if e.errno != _errno.EINVAL:
-                    raise _os_error(e.errno, "opening", path) from None
-                use_direct = False
-        if fd < 0:
-            try:
-                fd = os.open(path, flags, 0o644)
-            except OSError as e:
-                raise _os_error(e.errno, "opening", path) from None
-        try:
-            if nbytes > 0:
-                try:
-                    os.posix_fallocate(fd, 0, nbytes)
-                except OSError as e:
-                    if e.errno not in (_errno.EOPNOTSUPP, _errno.ENOSYS, _errno.EINVAL):
-                        raise _os_error(e.errno, "preallocating", path, 0) from None
-            io_len = _round_up(nbytes) if use_direct else nbytes
-            bs = self.block_size
-            job = _Job(fd, use_direct, (io_len + bs - 1) // bs)
-            result: list = []
-
-            def worker() -> None:
-                while not job.failed:
-                    i = next(job.next)
-                    if i >= job.nblocks:
-                        return
-                    off = i * bs
-                    view = mv[off:min(off + bs, io_len)]
-                    retried = False
-                    while view:
-                        try:
-                            n = os.pwrite(fd, view, off)
-                        except OSError as e:
-                            if e.errno == _errno.EINVAL and job.direct and not retried:
-                                retried = True
-                                if job.drop_direct():
-                                    continue
-                            job.fail(e.errno, off)
-                            return
-                        if n == 0:
-                            job.fail(_errno.EIO, off)
-                            return
-                        view = view[n:]
-                        off += n
-
-            def main() -> None:
-                # the full hash here, the ranges on a second thread (xxhash releases the GIL
-                # on large inputs), while the workers write
-                out: list = []
-                rt = None
-                if whole and job.nblocks > 1 and sum(ln for _, ln in rlist) >= _RANGES_THREAD_MIN:
-                    rt = threading.Thread(target=lambda: out.append(_hash_ranges(mv, rlist)), daemon=True)
-                    try:
-                        rt.start()
-                    except RuntimeError:
-                        rt = None
-                full = xxhash.xxh3_64_intdigest(mv[:nbytes]) if whole else None
-                if rt is not None:
-                    rt.join()
-                else:
-                    out.append(_hash_ranges(mv, rlist))
-                result.append((full, out[0]))
-
-            self._run(job, worker, main)
-            if job.err is not None:
-                raise _os_error(job.err[0], "writing", path, job.err[1])
-            if io_len != nbytes:
-                try:
-                    os.ftruncate(fd, nbytes)
-                except OSError as e:
-                    raise _os_error(e.errno, "truncating", path, nbytes) from None
-            if fsync:
-                try:
-                    os.fsync(fd)
-                except OSError as e:
-                    raise _os_error(e.errno, "syncing", path) from None
-        except BaseException:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-            raise
-        try:
-            os.close(fd)
-        except OSError as e:
-            raise _os_error(e.errno, "closing", path) from None
-        return result[0]
+        addr = _address(mv) if mv.nbytes else 0
+        span = _round_up(nbytes) if mv.nbytes >= _round_up(nbytes) and addr % ALIGN == 0 \
+            else nbytes
+        segments = [(0, addr, span)] if nbytes else []
+        return self.write_segments(path, nbytes, segments, [(addr + o, n) for o, n in rlist],
+                                   direct=direct, fsync=fsync)
 
     # -- read -----------------------------------------------------------------------------
 
@@ -681,27 +438,3 @@ class PythonBackend:
 
     def __repr__(self) -> str:
         return f"PythonBackend(block_size={self.block_size}, depth={self.depth})"
-
-
-# --------------------------------------------------------------------------------------------
-# selection
-# --------------------------------------------------------------------------------------------
-
-_instances: dict[str, IOBackend] = {}
-_instances_lock = threading.Lock()
-
-
-def get_backend(mode: str = "auto") -> IOBackend:
-    """The I/O backend for ``mode``: "auto" (native if it loaded, else python), "require"
-    (native, or ImportError saying how to build it) or "off" (python).  Instances are cached."""
-    if mode not in ("auto", "require", "off"):
-        raise ValueError(f"io mode must be 'auto', 'require' or 'off', got {mode!r}")
-    if mode == "require" and _ext is None:
-        raise ImportError(f"fastckpt native I/O extension unavailable ({native_error()}); {_BUILD_HINT}")
-    name = "native" if mode != "off" and _ext is not None else "python"
-    with _instances_lock:
-        b = _instances.get(name)
-        if b is None:
-            b = NativeBackend() if name == "native" else PythonBackend()
-            _instances[name] = b
-        return b

@@ -1,16 +1,16 @@
-"""Preemption: signal trap, out-of-band stop consensus, grace budget, emergency save, exit.
+"""The preemption trigger: watcher, out-of-band stop consensus, emergency path and exit.
 
-The only module that installs signal handlers. Used through
-``Checkpointer.save(state, step=s, on_preempt=True)`` (see docs/preemption.md).
+Used through ``Checkpointer.save(state, step=s, on_preempt=True)`` (see docs/preemption.md).
+It drives the engine only through its narrow interface (``inflight``, ``supersede``,
+``emergency_save``, ``emergency_is_zero_copy``, ``on_saved``); the signals come from
+``signals.SignalTrap`` and the decision from ``budget``.
 
 Call sequence (who makes each call):
 
-1. (all ranks, training thread, at construction) ``Preemption.install``: Python handlers for
-   the configured signals (they only append ``(signum, time)`` to a list) and
-   ``signal.set_wakeup_fd`` on a pipe, so the C-level handler wakes the watcher thread at once,
-   even while the training thread is blocked in a C call or a collective. Earlier handlers are
-   chained (Python callables) and restored by ``close``; a forked child (DataLoader worker)
-   gets them back at fork and never acts on a signal.
+1. (all ranks, training thread, at construction) ``Preemption.install``: the signal trap
+   (``signals.SignalTrap``: handlers that only record, a wakeup fd that wakes the watcher thread
+   at once even while the training thread is blocked in a C call or a collective) and the
+   watcher thread.
 2. (all ranks, watcher thread) on a local signal: publish ``sig/<rank>`` and bump ``n`` in the
    store. Every watcher probes ``n`` every ``POLL_S``. A watcher that sees a stop marks the rank
    *pending* (its next ``on_preempt`` call takes the slow path), reports ``step/<rank>`` = the last
@@ -32,14 +32,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import select
 import signal
 import threading
 import time
 from typing import Any
 
-from . import _dist
-from .options import platform_grace
+from ..engine import dist as _dist
+from ..options import platform_grace
+from . import budget
+from .events import EventLog
+from .signals import REQUEST_CANCEL, SignalTrap, signame
 
 log = logging.getLogger("fastckpt.preempt")
 
@@ -58,72 +60,13 @@ POLL_S = 0.1  # how often a watcher probes the store for a stop
 HARD_EXTRA_S = 3.0  # the watchdog ends a process still alive this long after the deadline
 
 _lock = threading.Lock()
-_active: "Preemption | None" = None  # the one instance holding the signal handlers
 _instances = 0  # per-process count: the same on every rank if all create Checkpointers alike
-_fork_hook = False
 
 
 class _PeerLost(Exception):
     def __init__(self, missing: list[int], what: str) -> None:
         self.missing = missing
         super().__init__(f"{what}: rank(s) {missing} did not answer")
-
-
-def _after_fork_child() -> None:
-    """In a forked child (DataLoader worker): give the signals back, never act on them."""
-    p = _active
-    if p is None:
-        return
-    p._forked = True
-    try:
-        signal.set_wakeup_fd(-1)
-        for sig, old in p._old_handlers.items():
-            signal.signal(sig, old if old is not None else signal.SIG_DFL)
-    except Exception:
-        pass
-
-
-def _signame(num: int) -> str:
-    try:
-        return signal.Signals(num).name
-    except ValueError:
-        return str(num)
-
-
-class EventLog:
-    """JSON-lines events of one rank, flushed per line. Thread-safe; never used by a handler."""
-
-    def __init__(self, path: str | None, rank: int) -> None:
-        self.path = path
-        self.rank = rank
-        self._lock = threading.Lock()
-        self._f = None
-        if path:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            self._f = open(path, "a", buffering=1)
-
-    def __call__(self, event: str, **fields: Any) -> None:
-        if self._f is None:
-            return
-        rec = {"t": round(time.time(), 6), "rank": self.rank, "pid": os.getpid(),
-               "event": event, **fields}
-        line = json.dumps(rec, default=str)
-        with self._lock:
-            try:
-                self._f.write(line + "\n")
-            except Exception:
-                pass
-
-    def close(self) -> None:
-        with self._lock:
-            if self._f is not None:
-                try:
-                    self._f.flush()
-                    os.fsync(self._f.fileno())
-                    self._f.close()
-                except Exception:
-                    pass
-                self._f = None
 
 
 class Preemption:
@@ -148,8 +91,8 @@ class Preemption:
             self.prefix = f"preempt/{_instances}"
         self.ex = _dist.Exchange()
         path = opts.event_log
-        if path is None and "://" not in ckpt.root:
-            path = os.path.join(ckpt.root, "events")
+        if path is None and ckpt.storage.is_local:
+            path = os.path.join(ckpt.storage.root, "events")
         self.event = EventLog(os.path.join(path, f"rank{self.rank:05d}.jsonl") if path else None,
                               self.rank)
         # shared state (training thread / watcher / handlers)
@@ -163,53 +106,29 @@ class Preemption:
         self.deadline: float | None = None  # time.monotonic()
         self.exit_code: int | None = None
         self.stopped = False
-        self._handler_sigs: list[tuple[int, float]] = []  # appended by the handlers only
-        self._seen_handler = 0
+        self.trap = SignalTrap(self.preempt_sigs | self.cancel_sigs)
         self._local: list[tuple[int, float]] = []  # local signals the watcher processed
         self._published = False
         self._samples: list[tuple[int, float, float]] = []  # (bytes, write_s, stage_s)
-        self._old_handlers: dict[int, Any] = {}
-        self._old_wakeup = -1
-        self._rfd = self._wfd = -1
-        self._forked = False
         self._closed = threading.Event()
         self._watcher: threading.Thread | None = None
         self._watchdog: threading.Timer | None = None
-        self._pid = os.getpid()
+        ckpt.on_saved.append(self.record_save)
 
     # -- install / close (training thread) --------------------------------------------------
     def install(self) -> None:
-        global _active, _fork_hook
-        sigs = sorted(self.preempt_sigs | self.cancel_sigs)
-        with _lock:
-            if _active is not None and _active is not self:
-                raise RuntimeError("another Checkpointer already holds the preemption trap in "
-                                   "this process; close it first")
-            _active = self
-            if not _fork_hook:
-                os.register_at_fork(after_in_child=_after_fork_child)
-                _fork_hook = True
-        trapped = []
-        if threading.current_thread() is threading.main_thread():
-            self._rfd, self._wfd = os.pipe()
-            os.set_blocking(self._rfd, False)
-            os.set_blocking(self._wfd, False)
-            for s in sigs:
-                self._old_handlers[s] = signal.signal(s, self._handler)
-                trapped.append(_signame(s))
-            self._old_wakeup = signal.set_wakeup_fd(self._wfd, warn_on_full_buffer=False)
-        else:
+        self.trap.install()
+        if not self.trap.trapped:
             log.warning("fastckpt: rank %d: Checkpointer created off the main thread: no signal "
                         "trap (request_stop() and stops from other ranks still work)", self.rank)
         self._watcher = threading.Thread(target=self._watch, name="fastckpt-preempt",
                                          daemon=True)
         self._watcher.start()
-        self.event("armed", signals=trapped, grace_s=self.grace_s, grace_source=self.grace_source,
-                   platform=self.platform, consensus=self.opts.preempt_consensus,
-                   world_size=self.world)
+        self.event("armed", signals=self.trap.trapped, grace_s=self.grace_s,
+                   grace_source=self.grace_source, platform=self.platform,
+                   consensus=self.opts.preempt_consensus, world_size=self.world)
 
     def close(self) -> None:
-        global _active
         if self._closed.is_set():
             return
         self._closed.set()
@@ -217,47 +136,12 @@ class Preemption:
             self._watchdog.cancel()
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=2.0)
-        if not self._forked and threading.current_thread() is threading.main_thread():
-            try:
-                if self._rfd >= 0:
-                    signal.set_wakeup_fd(self._old_wakeup)
-                for s, old in self._old_handlers.items():
-                    signal.signal(s, old if old is not None else signal.SIG_DFL)
-            except Exception as e:
-                log.warning("fastckpt: could not restore signal handlers: %s", e)
-        self._old_handlers = {}
-        for fd in (self._rfd, self._wfd):
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        self._rfd = self._wfd = -1
-        with _lock:
-            if _active is self:
-                _active = None
+        self.trap.close()
         self.event.close()
-
-    # -- signal handler (main thread, between bytecodes): record only ------------------------
-    def _handler(self, signum: int, frame: Any) -> None:
-        if os.getpid() != self._pid:  # a forked child that kept the handler: act as before
-            old = self._old_handlers.get(signum)
-            signal.signal(signum, old if old is not None else signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        self._handler_sigs.append((signum, time.time()))
-        old = self._old_handlers.get(signum)
-        if callable(old) and old is not signal.default_int_handler:
-            old(signum, frame)  # chain a Python-level handler installed before ours
 
     def request_stop(self, *, cancel: bool = False) -> None:
         """Ask for a stop from code (e.g. a cloud termination notice poller). Any thread."""
-        self._handler_sigs.append((-2 if cancel else -1, time.time()))
-        if self._wfd >= 0:
-            try:
-                os.write(self._wfd, b"\0")
-            except OSError:
-                pass
+        self.trap.request(cancel)
 
     def record_save(self, nbytes: int, write_s: float, stage_s: float) -> None:
         """(writer thread) bandwidth sample of a finished save."""
@@ -269,37 +153,11 @@ class Preemption:
     def _watch(self) -> None:
         poll_next = 0.0
         while not self._closed.is_set():
-            woke = False
-            if self._rfd >= 0:
-                try:
-                    r, _, _ = select.select([self._rfd], [], [], POLL_S)
-                except (OSError, ValueError):
-                    r = []
-                if r:
-                    woke = True
-                    try:
-                        data = os.read(self._rfd, 512)
-                    except OSError:
-                        data = b""
-                    now = time.time()
-                    for b in data:  # the wakeup fd counts deliveries; the handler's list is
-                        # only read when there is no wakeup fd (and for request_stop)
-                        if b in self.preempt_sigs or b in self.cancel_sigs:
-                            self._local_signal(b, now, "wakeup_fd")
-                    if self._old_wakeup >= 0 and data:
-                        try:
-                            os.write(self._old_wakeup, data)  # chain the previous wakeup fd
-                        except OSError:
-                            pass
-            else:
-                self._closed.wait(POLL_S)
+            woke, signals = self.trap.poll(POLL_S, self._closed)
             if self._closed.is_set():
                 return
-            while self._seen_handler < len(self._handler_sigs):  # handler / request_stop
-                signum, t = self._handler_sigs[self._seen_handler]
-                self._seen_handler += 1
-                if signum < 0 or self._rfd < 0:
-                    self._local_signal(signum, t, "handler" if signum > 0 else "request")
+            for signum, t, source in signals:
+                self._local_signal(signum, t, source)
             if self.pending or self.opts.preempt_consensus != "store":
                 continue
             now = time.monotonic()
@@ -310,15 +168,15 @@ class Preemption:
                 if self._local and not self._published:
                     self._publish_local()
                 n = self.ex.add(f"{self.prefix}/n", 0)
-            except Exception:
-                continue  # store gone: the job is ending or the training thread will see it
+            except Exception:  # noqa: BLE001 - store gone: the job is ending, or the
+                continue  # training thread will see it
             if n > 0:
                 self._agree()
 
     def _local_signal(self, signum: int, t_wall: float, source: str) -> None:
         """(watcher) one signal: first ones start the stop; later ones cut the budget."""
-        cancel = signum == -2 or signum in self.cancel_sigs
-        name = {-1: "request_stop", -2: "request_cancel"}.get(signum) or _signame(signum)
+        cancel = signum == REQUEST_CANCEL or signum in self.cancel_sigs
+        name = signame(signum)
         self._local.append((signum, t_wall))
         self.event("signal", signal=name, signal_time=t_wall, source=source, cancel=cancel,
                    nth=len(self._local))
@@ -345,7 +203,7 @@ class Preemption:
     def _publish_local(self) -> None:
         signum, t = self._local[0]
         self.ex.set(f"{self.prefix}/sig/{self.rank}", json.dumps(
-            {"signal": _signame(signum) if signum > 0 else "request", "t": t}).encode())
+            {"signal": signame(signum) if signum > 0 else "request", "t": t}).encode())
         self._published = True
         self.ex.add(f"{self.prefix}/n", 1)
 
@@ -468,77 +326,22 @@ class Preemption:
         return self._emergency(state, step)
 
     def _estimate(self, state: dict) -> dict:
-        """This rank's bytes to write and bandwidths: measured on earlier saves, else assumed."""
-        ck = self.ckpt
-        samples = list(self._samples)
-        if samples:
-            nbytes = samples[-1][0]
-            wsum = sum(s[1] for s in samples)
-            write_bps = sum(s[0] for s in samples) / wsum
-            ssum = sum(s[2] for s in samples)
-            stage_bps = sum(s[0] for s in samples) / ssum if ssum > 0 else 2e9
-            source = f"measured on {len(samples)} save(s)"
-        else:
-            from ._tree import flatten
+        """This rank's report for the budget (see budget.estimate)."""
+        def state_bytes() -> int:
+            from ..engine.state import flatten
             try:
-                nbytes = sum(t.numel() * t.element_size() for t in flatten(state).tensors.values())
-            except Exception:
-                nbytes = 0
-            write_bps = self.opts.assumed_write_mibps * (1 << 20)
-            stage_bps = 2e9
-            source = "assumed (no save measured yet)"
-            rec = self._bench_record()
-            if rec:  # `fastckpt bench ROOT` measured this storage
-                write_bps = rec.get("save") or write_bps
-                stage_bps = rec.get("stage") or stage_bps
-                source = "fastckpt bench record (no save measured yet)"
-        inflight = ck._last if ck._last is not None and not ck._last.done() else None
-        est_s = nbytes / stage_bps + nbytes / write_bps + 0.5  # + plan gather, manifest, acks
-        # superseding stops the in-flight save before its next piece: at worst one piece
-        # (one shard file) is still written first
-        job = ck._last_job
-        piece = max((p.size for p in job.plan.pieces), default=0) if job is not None else 0
-        return {"bytes": int(nbytes), "write_mibps": round(write_bps / (1 << 20), 2),
-                "est_s": round(est_s, 4), "source": source,
-                "inflight_step": inflight.step if inflight is not None else None,
-                "inflight_left_s": round(nbytes / write_bps + 0.5, 4) if inflight else 0.0,
-                "inflight_piece_s": round(min(piece, nbytes) / write_bps, 4) if inflight else 0.0,
-                "left_s": round(self._dl() - time.monotonic(), 4)}
+                return sum(t.numel() * t.element_size() for t in flatten(state).tensors.values())
+            except Exception:  # noqa: BLE001 - an estimate, not a save
+                return 0
+        inflight, piece = self.ckpt.inflight()
+        return budget.estimate(
+            samples=list(self._samples), state_bytes=state_bytes,
+            assumed_write_bps=self.opts.assumed_write_mibps * (1 << 20),
+            record=lambda: budget.bench_record(self.ckpt.root), inflight=inflight,
+            piece_bytes=piece, left_s=self._dl() - time.monotonic(),
+            zero_copy=self.ckpt.emergency_is_zero_copy())
 
-    def _bench_record(self) -> dict | None:
-        """Per-rank bandwidths from ``fastckpt bench``'s record in the root, if there is one."""
-        try:
-            from .bench import read_bench
-            rec = read_bench(self.ckpt.root)
-            per = (rec or {}).get("per_rank_bytes_per_s") or {}
-            return {k: float(v) for k, v in per.items() if isinstance(v, (int, float)) and v > 0}
-        except Exception:  # a damaged record must not break the emergency path
-            return None
-
-    @staticmethod
-    def decide(reports: list[dict], step: int, margin: float) -> tuple[str, dict]:
-        """The same decision on every rank, from every rank's report."""
-        left = min(r["left_s"] for r in reports) - margin
-        est = max(r["est_s"] for r in reports)
-        infl = [r["inflight_step"] for r in reports if r["inflight_step"] is not None]
-        infl_left = max(r["inflight_left_s"] for r in reports)
-        piece_left = max(r.get("inflight_piece_s", r["inflight_left_s"]) for r in reports)
-        nums = {"left_s": round(left, 3), "est_save_s": round(est, 3),
-                "bytes": sum(r["bytes"] for r in reports),
-                "inflight_step": max(infl) if infl else None,
-                "inflight_left_s": round(infl_left, 3) if infl else 0.0,
-                "inflight_piece_s": round(piece_left, 3) if infl else 0.0}
-        if not infl:
-            return ("save" if est <= left else "skip"), nums
-        if max(infl) >= step:
-            return ("wait" if infl_left <= left else "abandon"), nums
-        if infl_left + est <= left:
-            return "wait_then_save", nums
-        if piece_left + est <= left:
-            return "supersede", nums  # the newer step fits only without the older one
-        if infl_left <= left:
-            return "wait", nums
-        return "abandon", nums
+    decide = staticmethod(budget.decide)
 
     def _emergency(self, state: dict, step: int) -> Any:
         """(training thread, all ranks at T) decide, save, barrier, exit."""
@@ -561,42 +364,40 @@ class Preemption:
                         "estimated save %.2f s for %d bytes, in-flight step %s needs %.2f s)",
                         self.rank, step, decision, nums["left_s"], nums["est_save_s"],
                         nums["bytes"], nums["inflight_step"], nums["inflight_left_s"])
-            last = self.ckpt._last
+            last, _ = self.ckpt.inflight()
             if decision == "supersede":
                 t0 = time.monotonic()
-                old = self.ckpt._supersede()
+                old = self.ckpt.supersede()
                 if old is not None:
                     old.exception(max(0.0, self._dl(-margin) - time.monotonic()))
                     if not old.done():
                         raise TimeoutError(f"superseded save of step {old.step} did not stop "
                                            "before the deadline")
-                    old._reported = True
+                    old.take_failure()  # its failure ("superseded") is this path's doing
                     self.event("superseded", step=old.step, committed=old.committed,
                                seconds=round(time.monotonic() - t0, 3))
             if decision in ("wait", "wait_then_save") and last is not None:
                 t0 = time.monotonic()
-                exc = last.exception(max(0.0, self._dl(-margin) - time.monotonic()))
+                last.exception(max(0.0, self._dl(-margin) - time.monotonic()))
                 if not last.done():
                     raise TimeoutError(f"in-flight save of step {last.step} did not finish "
                                        "before the deadline")
-                last._reported = True
+                exc = last.take_failure()
                 self.event("inflight_done", step=last.step, ok=exc is None,
                            seconds=round(time.monotonic() - t0, 3),
                            error=None if exc is None else str(exc))
                 if exc is not None and decision == "wait":
                     raise exc  # it was to be the checkpoint; with wait_then_save, save anyway
             if decision in ("save", "wait_then_save", "supersede"):
-                if last is not None and last.done() and last._exc is not None \
-                        and not last._reported:  # an earlier failure must not stop this save
-                    last._reported = True
-                    self.event("earlier_save_failed", step=last.step, error=str(last._exc))
                 t0 = time.monotonic()
                 self.event("save_start", step=step, est_bytes=mine["bytes"])
                 # the process exits after this save, so the state is not touched again: written
                 # straight from the tensors (no staging copy, no staging memory) where it can be
-                handle = self.ckpt.save(state, step=step, user_meta={"preempted": True},
-                                        block=self.ckpt.options.zero_copy,
-                                        _deadline=self._dl(-margin / 2))
+                handle = self.ckpt.emergency_save(state, step, self._dl(-margin / 2),
+                                                  user_meta={"preempted": True})
+                if handle.earlier_failure is not None:  # it did not stop this save
+                    self.event("earlier_save_failed", step=handle.earlier_failure[0],
+                               error=str(handle.earlier_failure[1]))
                 handle.wait(max(0.01, self._dl(-margin / 4) - time.monotonic()))
                 secs = time.monotonic() - t0
                 self.event("save_end", step=step, bytes=handle.bytes_written,
@@ -662,8 +463,7 @@ class Preemption:
         if not self.opts.preempt_exit:
             self.event("exit", code=code, reason=reason, missing=missing or None, exiting=False)
             return
-        last = self.ckpt._last
-        if last is not None and not last.done():
+        if self.ckpt.inflight()[0] is not None:
             clean = False  # an abandoned in-flight save: closing would wait for its writer
         if code != EXIT_FAILED:
             _destroy_process_group()
@@ -691,34 +491,3 @@ def _destroy_process_group() -> None:
         _dist.destroy()
     except Exception as e:
         log.warning("fastckpt: destroy_process_group failed: %s", e)
-
-
-def job_exit_code(events_dir: str) -> int | None:
-    """The job's exit code from the ranks' event logs: the highest last ``exit`` code, None if
-    no rank logged one. For launchers that hide the workers' codes (torchrun exits 1):
-    ``torchrun ...; exit $(python -m fastckpt.preempt ROOT/events)``."""
-    codes = []
-    for name in sorted(os.listdir(events_dir)):
-        if not (name.startswith("rank") and name.endswith(".jsonl")):
-            continue
-        last = None
-        with open(os.path.join(events_dir, name)) as f:
-            for line in f:
-                try:
-                    e = json.loads(line)
-                except ValueError:
-                    continue
-                if e.get("event") == "armed":
-                    last = None  # a newer run of the job starts here
-                elif e.get("event") == "exit":
-                    last = e.get("code")
-        if last is not None:
-            codes.append(int(last))
-    return max(codes) if codes else None
-
-
-if __name__ == "__main__":  # python -m fastckpt.preempt EVENTS_DIR -> prints the exit code
-    import sys
-    code = job_exit_code(sys.argv[1])
-    print("none" if code is None else code)
-    sys.exit(1 if code is None else code)

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import format as fmt
-from ._native import _address, aligned_buffer
+from ..manifest import schema as fmt
+from ..storage.pyio import _address, aligned_buffer
 
 MIN_PIECE = 1 << 20
 PIECE_MIN_DEFAULT = 64 << 20

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import FastCkptError
+from ..errors import FastCkptError
 
 
 class CudaBackend:

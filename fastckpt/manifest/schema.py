@@ -1,4 +1,4 @@
-"""The on-disk format: names, the manifest schema, and its validation.
+"""The on-disk format: names, the manifest schema, and its validation. Torch-free.
 
 Layout under a root (a local directory or an fsspec URL prefix)::
 
@@ -23,10 +23,9 @@ import re
 import time
 from typing import Any
 
-import torch
 import xxhash
 
-from .errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, StateMismatchError
 
 FORMAT_NAME = "fastckpt"
 FORMAT_VERSION = 1
@@ -40,12 +39,10 @@ SHARD_SUFFIX = ".fck"
 INFLIGHT_PREFIX = ".inflight-"
 _STEP_RE = re.compile(r"^step-(\d{10,})$")
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
-    torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
-    torch.bool, torch.uint16, torch.uint32, torch.uint64,
-    getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None),
-) if d is not None}
+#: dtype name (as torch prints it, without "torch.") -> bytes per element
+DTYPES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex64": 8,
+          "complex128": 16, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+          "uint16": 2, "uint32": 4, "uint64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 def step_dirname(step: int) -> str:
@@ -65,17 +62,11 @@ def align_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise ValueError(f"dtype {dtype} is not supported by the fastckpt format")
-    return name
-
-
-def dtype_from_name(name: str, *, file: str | None = None) -> torch.dtype:
+def itemsize(name: str, *, file: str | None = None) -> int:
+    """Bytes per element of a dtype named in a manifest; CorruptCheckpointError if unknown."""
     try:
-        return _DTYPES[name]
-    except KeyError:
+        return DTYPES[name]
+    except (KeyError, TypeError):
         raise CorruptCheckpointError(f"unknown dtype {name!r} in manifest", file=file) from None
 
 
@@ -255,8 +246,8 @@ def validate_body(body: dict, *, file: str, step: int | None = None) -> None:
 def _validate_tensor(fqn: object, t: object, files: dict, world: int, bad) -> None:
     if not isinstance(fqn, str) or not isinstance(t, dict):
         raise bad("a tensor entry is not a mapping", key=str(fqn))
-    dtype = _DTYPES.get(t.get("dtype")) if isinstance(t.get("dtype"), str) else None
-    if dtype is None:
+    isz = DTYPES.get(t.get("dtype")) if isinstance(t.get("dtype"), str) else None
+    if isz is None:
         raise bad(f"unknown dtype {t.get('dtype')!r}", key=fqn)
     shape = t.get("shape")
     if (not isinstance(shape, list) or len(shape) > MAX_NDIM
@@ -265,7 +256,6 @@ def _validate_tensor(fqn: object, t: object, files: dict, world: int, bad) -> No
     chunks = t.get("chunks")
     if not isinstance(chunks, list):
         raise bad("'chunks' is not a list", key=fqn)
-    isz = dtype.itemsize
     covered = 0
     boxes = []
     for c in chunks:
@@ -377,8 +367,9 @@ def _validate_tree(tree: object, tensors: dict, bad) -> None:
 
 
 def new_manifest_body(*, step: int, world_size: int, save_id: str, files: dict,
-                      tensors: dict, trees: list, user_meta: dict | None = None) -> dict:
-    from . import __version__
+                      tensors: dict, trees: list, user_meta: dict | None = None,
+                      torch_version: str = "") -> dict:
+    from .. import __version__
     body: dict[str, Any] = {
         "step": int(step),
         "world_size": int(world_size),
@@ -386,7 +377,7 @@ def new_manifest_body(*, step: int, world_size: int, save_id: str, files: dict,
         "created_unix": time.time(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "fastckpt_version": __version__,
-        "torch_version": torch.__version__,
+        "torch_version": torch_version,
         "hash": HASH_NAME,
         "align": ALIGN,
         "files": files,
@@ -409,18 +400,9 @@ def tree_for_rank(body: dict, rank: int, world_size: int, *, file: str) -> Any:
     if not isinstance(trees, list) or not trees:
         raise CorruptCheckpointError("manifest has neither 'tree' nor 'rank_trees'", file=file)
     if world_size != len(trees):
-        from .errors import StateMismatchError
         raise StateMismatchError(
             f"this checkpoint holds plain values that differ between its {len(trees)} ranks (for "
             f"example a per-rank data-loader position); it can be loaded by exactly "
             f"{len(trees)} ranks, not {world_size}. Keep per-rank values under the rank's own key "
             "to load at another world size.", file=file)
     return trees[rank]
-
-
-def tensor_meta(body: dict, *, file: str) -> dict[str, dict]:
-    """fqn -> {"dtype": torch.dtype, "shape": tuple} for every tensor in a manifest body."""
-    out = {}
-    for fqn, t in body["tensors"].items():
-        out[fqn] = {"dtype": dtype_from_name(t["dtype"], file=file), "shape": tuple(t["shape"])}
-    return out

@@ -1,0 +1,44 @@
+"""The record ``fastckpt bench`` leaves in a root (``ROOT/.fastckpt-bench.json``): the measured
+bandwidths the preemption trigger uses before its first save was measured. Torch-free."""
+
+from __future__ import annotations
+
+import json
+
+BENCH_FILE = ".fastckpt-bench.json"
+BENCH_FORMAT = "fastckpt-bench"
+BENCH_VERSION = 1
+
+
+def is_local(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
+def local_path(url: str) -> str:
+    return url[len("file://"):] if url.startswith("file://") else url
+
+
+def join(url: str, *parts: str) -> str:
+    return "/".join([url.rstrip("/"), *parts])
+
+
+def read_bench(root: str, path: str | None = None) -> dict | None:
+    """The engine-readable bench record of a root (``ROOT/.fastckpt-bench.json``) or of an
+    explicit ``path``; None when absent or not a valid record. Keys: see docs/cli.md."""
+    target = path or join(root, BENCH_FILE)
+    try:
+        if is_local(target):
+            with open(local_path(target), "rb") as f:
+                data = f.read()
+        else:
+            import fsspec
+            fs, p = fsspec.core.url_to_fs(target)
+            data = fs.cat_file(p)
+        doc = json.loads(data)
+    except Exception:
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != BENCH_FORMAT:
+        return None
+    if not isinstance(doc.get("version"), int) or doc["version"] > BENCH_VERSION:
+        return None
+    return doc

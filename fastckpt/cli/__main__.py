@@ -1,0 +1,5 @@
+"""``python -m fastckpt.cli ...``: the same as the ``fastckpt`` command."""
+
+from .main import main
+
+main()

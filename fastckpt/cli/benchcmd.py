@@ -1,0 +1,264 @@
+"""``fastckpt bench``: measure the storage and print the grace window the state needs."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import click
+
+from ..errors import StorageError
+from .base import (EXIT_CODES_HELP, EXIT_OK, EXIT_PROBLEM, EXIT_STORAGE, EXIT_USAGE, CliError,
+                   _add_row, _echo, _emit_json, _hb, _print_table, _progress, _rate, _set_json,
+                   _storage, _table, cli)
+
+# ---------------------------------------------------------------------------------- bench
+
+def _size_type(text: str) -> int:
+    from ..tools import parse_size
+    try:
+        n = parse_size(text)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    if n <= 0:
+        raise click.BadParameter("must be positive")
+    return n
+
+
+class _Size(click.ParamType):
+    name = "SIZE"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return _size_type(value)
+        except click.BadParameter as e:
+            self.fail(str(e.message), param, ctx)
+
+
+@cli.command(epilog=EXIT_CODES_HELP)
+@click.argument("target")
+@click.option("--size", type=_Size(), default="1GiB", show_default=True,
+              help="State size to benchmark (model + optimizer, all ranks together).")
+@click.option("--ranks", type=click.IntRange(1, 1024), default=1, show_default=True,
+              help="Local processes (gloo on 127.0.0.1), each saving its share.")
+@click.option("--reps", type=click.IntRange(1, 1000), default=3, show_default=True,
+              help="Timed repetitions of every contender, interleaved; medians are reported.")
+@click.option("--warmup/--no-warmup", default=True, show_default=True,
+              help="An untimed first round of every contender (its fastckpt save is reported "
+                   "as a process's first save).")
+@click.option("--state-size", type=_Size(), default=None,
+              help="The real job's state size for the grace window (default: --size).")
+@click.option("--step-drain", type=float, default=30.0, show_default=True, metavar="S",
+              help="Seconds to finish the running training step.")
+@click.option("--barrier", type=float, default=10.0, show_default=True, metavar="S",
+              help="Seconds for all ranks to reach the checkpoint.")
+@click.option("--safety", type=float, default=0.25, show_default=True, metavar="FRACTION",
+              help="Safety margin as a fraction of the rest (at least --safety-min).")
+@click.option("--safety-min", type=float, default=30.0, show_default=True, metavar="S")
+@click.option("--contenders", default=",".join(("raw", "fastckpt", "torch", "dcp")),
+              show_default=True, help="Comma list of raw,fastckpt,torch,dcp.")
+@click.option("--report", default=None, metavar="PATH",
+              help="Where to write the full JSON report ('' to skip) "
+                   "[default: TARGET/.fastckpt-bench/report.json].")
+@click.option("--png", default=None, metavar="PATH",
+              help="Where to write the chart ('' to skip; needs matplotlib) [default: beside "
+                   "the report, with .png].")
+@click.option("--out", default=None, help="Where to write the bandwidth record the engine "
+              "reads [default: TARGET/.fastckpt-bench.json].")
+@click.option("--no-record", is_flag=True, help="Do not write the engine's bandwidth record.")
+@click.option("--create", is_flag=True, help="Create TARGET if it does not exist (otherwise a "
+              "missing TARGET is an error).")
+@click.option("--keep-files", is_flag=True, help="Leave the benchmark's files under TARGET.")
+@click.option("--force", is_flag=True, help="Run even if memory or disk looks too small.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def bench(target: str, size: int, ranks: int, reps: int, warmup: bool, state_size: int | None,
+          step_drain: float, barrier: float, safety: float, safety_min: float, contenders: str,
+          report: str | None, png: str | None, out: str | None, no_record: bool, create: bool,
+          keep_files: bool, force: bool, as_json: bool) -> int:
+    """Benchmark checkpoint I/O on TARGET (a path or URL) and size the preemption window.
+
+    Measures raw write/read bandwidth, fastckpt save/load of a synthetic model + Adam state
+    of --size, and torch.save and DCP on the same state: a warm-up round, then --reps
+    repetitions with the contenders interleaved (the order rotated each time). Prints a table
+    of medians with ratios, writes the JSON report and a PNG chart (TARGET/.fastckpt-bench/),
+    then the grace window the job needs
+
+    \b
+      T_grace >= state/save_bandwidth + step drain + barrier + safety
+      safety   = max(--safety-min, --safety x (the rest))
+
+    with the matching Slurm --signal lead time and Kubernetes terminationGracePeriodSeconds.
+    The measured bandwidths go to TARGET/.fastckpt-bench.json (or --out) for the engine.
+    TARGET must exist (or pass --create). Needs about 3x --size of free memory and 1x of free
+    space on TARGET.
+    """
+    _set_json(as_json)
+    from ..bench import storage as B
+    cont = tuple(c.strip() for c in contenders.split(",") if c.strip())
+    bad = set(cont) - set(B.CONTENDERS)
+    if bad or not cont:
+        raise click.BadParameter(f"unknown {sorted(bad)}; choose from {','.join(B.CONTENDERS)}",
+                                 param_hint="--contenders")
+    if safety < 0 or step_drain < 0 or barrier < 0 or safety_min < 0:
+        raise click.BadParameter("must be >= 0", param_hint="--safety/--step-drain/--barrier")
+    if ranks > 1 and target.startswith("memory://"):
+        raise click.BadParameter("memory:// lives in one process; --ranks > 1 needs storage "
+                                 "the rank processes share", param_hint="--ranks")
+    target = target.rstrip("/") or "/"
+    if B.is_local(target):
+        p = B.local_path(target)
+        if not os.path.exists(p) and not create:
+            raise CliError(f"{target} does not exist", EXIT_USAGE,
+                           hint="check the path; create it, or pass --create to let the "
+                                "benchmark create it")
+        if os.path.exists(p) and not os.path.isdir(p):
+            raise CliError(f"cannot benchmark {target}: not a directory", EXIT_STORAGE)
+    need = B.memory_needed(size, cont)
+    avail = B.mem_available()
+    if avail is not None and need > avail and not force:
+        raise CliError(f"--size {_hb(size)} needs about {_hb(need)} of free memory, "
+                       f"{_hb(avail)} is available", EXIT_USAGE,
+                       hint="use a smaller --size (and --state-size for the real one), "
+                            "or --force")
+    if B.is_local(target) and not force:
+        import shutil
+        probe = os.path.abspath(B.local_path(target))
+        while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+            probe = os.path.dirname(probe)
+        free = shutil.disk_usage(probe).free
+        if free < size * 1.05:
+            raise CliError(f"{target} has {_hb(free)} free, the benchmark needs about "
+                           f"{_hb(size * 1.05)}", EXIT_USAGE, hint="use a smaller --size or "
+                           "--force")
+    _storage(target)  # a clear error for a missing fsspec backend
+    default_report, default_png = B.report_paths(target)
+    report_to = default_report if report is None else report
+    if png is None:
+        png_to = (os.path.splitext(report_to)[0] + ".png") if report else default_png
+    else:
+        png_to = png
+    notes: list[str] = []
+    with _progress() as prog:
+        task = prog.add_task("starting", total=None) if prog else None
+
+        def emit(ev: dict) -> None:
+            if prog is None:
+                return
+            rep = ev.get("rep")
+            when = "" if "reps" not in ev else (
+                "warm-up" if rep is None else f"rep {rep + 1}/{ev['reps']}")
+            if ev.get("event") == "start":
+                prog.update(task, description=f"{when} {ev['phase']}".strip())
+            elif ev.get("event") == "end":
+                prog.console.print(f"  {when:<9} {ev['phase']:<14} {ev['seconds']:8.2f} s  "
+                                   f"{_rate(ev.get('bytes'), ev.get('seconds')):>12}",
+                                   highlight=False, markup=False)
+        try:
+            raw = B.run_bench(target, size, ranks=ranks, contenders=cont, reps=reps,
+                              warmup=warmup, keep_files=keep_files, create=create, emit=emit)
+        except B.BenchError as e:
+            raise CliError(f"benchmark failed: {e}", EXIT_PROBLEM) from None
+        except FileNotFoundError as e:  # removed meanwhile
+            raise CliError(str(e), EXIT_USAGE, hint="pass --create to create it") from None
+        except NotADirectoryError as e:
+            raise CliError(f"cannot benchmark {target}: {e}", EXIT_STORAGE) from None
+    rep = B.summarize(raw, state_size=state_size, step_drain_s=step_drain, barrier_s=barrier,
+                      safety_fraction=safety, safety_min_s=safety_min)
+    files: dict[str, str | None] = {"report": None, "png": None, "record": None}
+    rep["files"] = files
+    own = B.join(target, B.REPORT_DIR)
+
+    def where(dest: str) -> str:
+        return os.path.abspath(B.local_path(dest)) if B.is_local(dest) else dest
+
+    def put(kind: str, dest: str, data: bytes, what: str) -> None:
+        try:
+            files[kind], replaced = B.write_output(dest, data)
+        except (StorageError, OSError) as e:
+            files[kind] = None
+            notes.append(f"note: could not write {what} to {dest}: {e}")
+            return
+        ours = (where(dest).startswith(where(own) + "/")
+                or where(dest) == where(B.join(target, B.BENCH_FILE)))
+        if replaced and not ours:  # a file the user may care about
+            notes.append(f"note: replaced the existing file {files[kind]}")
+    if png_to:
+        data = B.render_png(rep)
+        if data is None:
+            notes.append("note: no PNG chart: matplotlib is not installed "
+                         "(pip install matplotlib)")
+        else:
+            put("png", png_to, data, "the chart")
+    if not no_record:
+        put("record", out or B.join(target, B.BENCH_FILE),
+            (json.dumps(B.engine_record(rep), indent=1) + "\n").encode(), "the bandwidth record")
+    rep["notes"] = notes
+    if report_to:  # last: it lists the other files (and itself)
+        files["report"] = where(report_to)
+        put("report", report_to, (json.dumps(rep, indent=1, default=str) + "\n").encode(),
+            "the report")
+    if as_json:
+        _emit_json(rep)
+    else:
+        _print_bench(rep)
+    for ln in notes:
+        _echo(ln, err=True)
+    return EXIT_OK
+
+
+def _x(v: float | None) -> str:
+    return f"{v:.2f}x" if v else "-"
+
+
+def _print_bench(rep: dict) -> None:
+    gib = float(1 << 30)
+    _echo(f"fastckpt bench: {rep['target']}  state {_hb(rep['state_bytes'])}, {rep['ranks']} "
+          f"rank(s), I/O backend {rep.get('io_backend') or '-'}, page cache {rep['cache']}")
+    n = rep.get("reps", 1)
+    warm = "after a warm-up round" if rep.get("warmup") else "no warm-up"
+    _echo(f"medians of {n} repetition{'s' if n != 1 else ''}, contenders interleaved (order "
+          f"rotated each repetition), {warm}")
+    t = _table("METHOD", "WRITE/SAVE", "GiB/s", "VS RAW", "READ/LOAD", "GiB/s", "VS RAW")
+    for r in rep["rows"]:
+        if r.get("skipped"):
+            _add_row(t, r["label"], "skipped", "", "", "", "", r["skipped"][:60])
+            continue
+        _add_row(t, r["label"],
+                  f"{r['write_s']:.2f} s" if r["write_s"] else "-",
+                  f"{r['write_bytes_per_s'] / gib:.2f}" if r["write_bytes_per_s"] else "-",
+                  _x(r["write_vs_raw"]),
+                  f"{r['read_s']:.2f} s" if r["read_s"] else "-",
+                  f"{r['read_bytes_per_s'] / gib:.2f}" if r["read_bytes_per_s"] else "-",
+                  _x(r["read_vs_raw"]))
+    _print_table(t)
+    for name, sp in rep["fastckpt_speedup"].items():
+        label = {"torch": "torch.save", "dcp": "DCP"}[name]
+        _echo(f"fastckpt vs {label}: save {sp['save']:.2f}x, load {sp['load']:.2f}x "
+              "(>1: fastckpt is faster)")
+    if rep.get("fastckpt_staged_s") is not None:
+        _echo(f"training blocked by a fastckpt save (staging): {rep['fastckpt_staged_s']:.2f} s")
+    first = rep.get("fastckpt_first_save") or {}
+    if first.get("save_s"):
+        _echo(f"first fastckpt save of a process (allocates the staging buffer): "
+              f"{first['save_s']:.2f} s, of which staging {first['staged_s']:.2f} s")
+    g = rep.get("grace")
+    if g and g["seconds"]:
+        _echo("")
+        _echo(f"Grace window for a {_hb(g['state_bytes'])} state (fastckpt save at "
+              f"{_hb(g['save_bytes_per_s'])}/s):")
+        _echo(f"  T_grace >= {g['write_s']:.2f} s write + {g['step_drain_s']:.0f} s step drain + "
+              f"{g['barrier_s']:.0f} s barrier + {g['safety_s']:.0f} s safety = {g['seconds']} s")
+        _echo(f"  Slurm:      #SBATCH --signal=USR1@{g['seconds']}   (B:USR1@{g['seconds']} when "
+              "the batch script itself runs training; for preemption, GraceTime >= "
+              f"{g['seconds']} s)")
+        _echo(f"  Kubernetes: terminationGracePeriodSeconds: {g['seconds']}")
+    f = rep.get("files", {})
+    wrote = [f"{label} {f[k]}" for k, label in (("report", "report"), ("png", "chart"),
+                                                  ("record", "record")) if f.get(k)]
+    if wrote:
+        _echo("wrote " + ", ".join(wrote))
+
+

@@ -1,0 +1,381 @@
+"""The engine: save (plan, stage, hand to the writer) and load, for one root.
+
+Call sequence of ``Engine.save(state, step=s)`` (every rank calls it, collectively):
+
+1. (all ranks, training thread) wait for this engine's previous save to finish writing
+   (back-pressure: one staging pool, never a second), re-raising its failure if unreported.
+2. (all ranks, training thread) flatten ``state`` (``state.flatten``): tensors out, plain values
+   into a JSON skeleton; unsupported objects raise ``UnsupportedStateError`` here.
+3. (all ranks, training thread) one ``all_gather_object`` of each rank's chunk list and
+   skeleton; every rank computes the same plan (``plan.make_plan``). A rank that could not
+   flatten makes every rank raise: nothing has been written, not even the root.
+4. (all ranks, training thread, first save only) claim the root: it is writable, and
+   (coordinator) the writer lease is taken (``fastckpt.lease``); one more gather makes every
+   rank raise if a rank could not.
+5. (all ranks, training thread) split the rank's chunks into shard files and stage them into
+   the reusable pool (or, for a blocking save, plan them to be written straight from the
+   tensors: zero-copy); ``save`` returns: the handle is *staged*.
+6. (all ranks, writer thread) ``writer.Writer``: write, commit, housekeeping; the handle is
+   *committed* or failed.
+
+For the preemption trigger the engine offers a narrow interface: ``inflight()`` (the save in
+flight and the size of its largest shard file), ``supersede()`` (stop it before its next file),
+``emergency_save(state, step, deadline)`` and ``emergency_is_zero_copy()``; ``on_saved``
+callbacks receive each committed save's bandwidth.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import logging
+import os
+import time
+import uuid
+import weakref
+from typing import Any, Callable
+
+from ..errors import (CheckpointNotFoundError, FastCkptError, StorageError,
+                      UnsupportedStateError, WriterLockedError)
+from ..lease import WriterLease
+from ..manifest import schema as fmt
+from ..manifest.discovery import find_step
+from ..options import CheckpointOptions, options_from_env
+from ..storage import Storage, open_storage
+from ..storage.native import get_backend
+from . import device as _device
+from . import dist as _dist
+from .handle import SaveHandle
+from .load import load_into
+from .plan import check_user_meta, local_chunks, make_plan, raise_setup_errors
+from .staging import (StagingPool, first_piece_bytes, gather_piece, piece_bytes, split,
+                      stage_piece)
+from .state import flatten
+from .writer import Job, Writer
+
+log = logging.getLogger("fastckpt")
+
+
+class Engine:
+    """Saves and loads one job's checkpoints under ``root`` (a path, an fsspec URL, or an open
+    :class:`~fastckpt.storage.Storage`, e.g. one wrapped for fault injection).
+
+    ``save`` and ``load``/``resume`` are collective: every rank of the default process group
+    calls them in the same order. Not thread-safe: call it from the training thread only (its
+    writer thread is internal). Use as a context manager or call ``close()``.
+    """
+
+    def __init__(self, root: str | os.PathLike | Storage, *, keep_last: int | None = None,
+                 options: CheckpointOptions | None = None, storage_options: dict | None = None,
+                 **option_overrides: Any) -> None:
+        opts = options_from_env(options or CheckpointOptions())
+        if keep_last is not None:
+            option_overrides["keep_last"] = keep_last
+        self.options = opts.with_changes(**option_overrides) if option_overrides else opts
+        if isinstance(root, Storage):
+            self.storage = root
+        else:
+            self.storage = open_storage(str(root), io_mode=self.options.native,
+                                        direct_io=self.options.direct_io,
+                                        storage_options=storage_options)
+        self.root = root if isinstance(root, str) else (
+            str(root) if not isinstance(root, Storage) else self.storage.root)
+        self.rank = _dist.rank()
+        self.world_size = _dist.world_size()
+        self._pool = StagingPool()
+        self._stager: _device.DeviceStager | None = None  # CUDA states only
+        self._writer = Writer(self.storage, self.options, self.rank, self._pool)
+        self._last: SaveHandle | None = None
+        self._last_job: Job | None = None
+        self._closed = False
+        self._claimed = False
+        self._lease: WriterLease | None = None  # rank 0, from the first save to close()
+        ref = weakref.ref(self)
+        self._atexit = lambda: (ref() and ref().close())  # type: ignore[union-attr]
+        atexit.register(self._atexit)
+
+    @property
+    def io_backend(self) -> str:
+        """Which I/O path writes and reads local shards: "native" or "python"."""
+        return get_backend(self.options.native).name
+
+    @property
+    def on_saved(self) -> list[Callable[[int, float, float], None]]:
+        """Callbacks run (writer thread) after each committed save: (bytes, write_s, stage_s)."""
+        return self._writer.on_saved
+
+    # -- save ---------------------------------------------------------------------------------
+    def save(self, state: dict, *, step: int, block: bool = False,
+             user_meta: dict | None = None) -> SaveHandle:
+        """Stage ``state`` and write it in the background as step ``step``; collective.
+
+        Returns once the state is staged (safe to modify); ``handle.wait()`` blocks until it is
+        committed. ``block=True`` waits here (and writes large tensors straight from their
+        memory, without staging: ``zero_copy``). A failure of the previous background save is
+        raised here if nobody observed it yet.
+        """
+        return self._save(state, step, block=block, user_meta=user_meta, deadline=None)
+
+    def emergency_save(self, state: dict, step: int, deadline: float,
+                       user_meta: dict | None = None) -> SaveHandle:
+        """(preemption) A blocking save whose every remote call and the commit run under
+        ``deadline`` (``time.monotonic()``); it returns at the deadline even if the write is
+        still running (the process exits right after: whatever is not committed by then never
+        is). Written zero-copy where the options allow."""
+        return self._save(state, step, block=self.options.zero_copy, user_meta=user_meta,
+                          deadline=deadline)
+
+    def emergency_is_zero_copy(self) -> bool:
+        """Whether ``emergency_save`` writes straight from the tensors (no staging time): the
+        options allow it, the storage takes gathered writes, and no save so far held CUDA
+        tensors (those are staged through the pinned pool)."""
+        return (self.options.zero_copy and self.storage.gathered_writes
+                and self._stager is None)
+
+    def inflight(self) -> tuple[SaveHandle | None, int]:
+        """The save still being written (or None) and its largest shard file in bytes."""
+        job = self._last_job
+        if job is None or job.handle.done():
+            return None, 0
+        return job.handle, max((p.size for p in job.plan.pieces), default=0)
+
+    def supersede(self) -> SaveHandle | None:
+        """Ask the in-flight save to stop before its next shard file and fail without
+        committing (every rank of the job must do the same); its handle, or None."""
+        job = self._last_job
+        if job is None or job.handle.done():
+            return None
+        job.cancel.set()
+        return job.handle
+
+    def wait(self) -> None:
+        """Block until the last save is committed; raise its failure."""
+        if self._last is not None:
+            self._last.wait()
+
+    def _save(self, state: dict, step: int, *, block: bool, user_meta: dict | None,
+              deadline: float | None) -> SaveHandle:
+        self._check_open()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        t0 = time.perf_counter()
+        earlier = None
+        if deadline is None:
+            self._drain_previous()
+        else:  # an emergency save: a failure nobody observed must not stop it
+            earlier = self._take_previous_failure()
+        user_meta = check_user_meta(user_meta)
+        plan, data = self._plan(state, step)
+        if not self._claimed:
+            self._claim_root()
+        stager = self._device_stager(data)
+        # a blocking save on a local file system is written straight from the tensors (the
+        # caller does not touch them until it returns): no staging copy, no staging memory
+        # (device tensors must be copied to the host anyway: they go through the pinned pool)
+        zero_copy = (block and self.options.zero_copy and self.storage.gathered_writes
+                     and stager is None)
+        plan = self._split(plan, data, zero_copy)
+        if not zero_copy:
+            self._pool.prepare([p.size for p in plan.pieces], self.options.staging_cap_bytes,
+                               pinner=stager)
+        step_dir = self.storage.join(fmt.step_dirname(step))
+        handle = SaveHandle(step, step_dir)
+        handle.earlier_failure = earlier
+        job = Job(plan, handle, step_dir, user_meta=user_meta, t0=t0, deadline=deadline)
+        self._last, self._last_job = handle, job
+        self._writer.submit(job)  # the writer starts on each piece as soon as it is staged
+        t1 = time.perf_counter()
+        handle.timings["plan_s"] = t1 - t0
+        if zero_copy:
+            return self._write_from_memory(job, data, deadline)
+        self._stage(job, data, stager)
+        handle.timings["stage_s"] = time.perf_counter() - t1
+        handle._staged.set()
+        if block:
+            handle.wait()
+        return handle
+
+    def _plan(self, state: dict, step: int) -> tuple[Any, dict]:
+        """(steps 2-3) Flatten the state and agree on the plan with every rank."""
+        error = None
+        specs: list = []
+        tree: Any = None
+        data: dict = {}
+        try:
+            flat = flatten(state)
+            local, data = local_chunks(flat.tensors)
+            specs = [tuple(s.__dict__.values()) for s in local]
+            tree = flat.skeleton
+            json.dumps(tree, allow_nan=False)
+        except (UnsupportedStateError, ValueError, TypeError) as e:
+            if self.world_size == 1:
+                raise
+            error = str(e)
+        gathered = _dist.all_gather_object(
+            {"save_id": uuid.uuid4().hex[:12], "specs": specs, "tree": tree, "error": error})
+        return make_plan(gathered, self.rank, step), data
+
+    def _claim_root(self) -> None:
+        """(step 4, first save) The root is writable and, on the coordinator, the writer lease
+        is held; a failure on any rank is raised on every rank."""
+        error: FastCkptError | None = None
+        try:
+            self.storage.check_writable()
+            if self.rank == 0:
+                self._lease = WriterLease(self.storage, ttl_s=self.options.lease_ttl_s,
+                                          renew_s=self.options.lease_ttl_s / 4).acquire()
+                self._writer.lease = self._lease
+        except (WriterLockedError, StorageError) as e:
+            if self.world_size == 1:
+                raise
+            error = e
+        statuses = _dist.all_gather_object(
+            {"setup": None if error is None else (type(error).__name__, str(error))})
+        raise_setup_errors(statuses, error)
+        self._claimed = True
+
+    def _split(self, plan: Any, data: dict, zero_copy: bool) -> Any:
+        """The rank's shard files: zero-copy ones place each large contiguous CPU chunk in phase
+        with its memory; pooled ones fit the pool (a capped pool streams a small first piece)."""
+        cap = self.options.staging_cap_bytes
+        total = sum(c.nbytes for c in plan.my_chunks)
+        if zero_copy:
+            phase = {k: t.data_ptr() % fmt.ALIGN for k, t in data.items()
+                     if t.device.type == "cpu" and t.is_contiguous()
+                     and t.nbytes >= fmt.SMALL_CHUNK}
+            pieces = split(plan.my_chunks, piece_bytes(total, None), phase=phase)
+        else:
+            limit = piece_bytes(total, cap)
+            pieces = split(plan.my_chunks, limit, first=first_piece_bytes(limit)
+                           if self._pool.will_cap(total, cap) else None)
+        return dataclasses.replace(plan, pieces=tuple(pieces))
+
+    def _write_from_memory(self, job: Job, data: dict, deadline: float | None) -> SaveHandle:
+        """A zero-copy save: gather each piece (edge pages, small tensors) while the previous
+        one is written, then wait for the commit: the tensors are read until the shards are
+        written. An emergency save returns at its deadline even so: its caller gives up."""
+        handle = job.handle
+        try:
+            for piece in job.plan.pieces:
+                job.pieces.put((piece, gather_piece(piece, data, self.storage.io), None, None))
+        except BaseException as e:
+            job.pieces.put((None, e, None, None))  # the writer fails this save on every rank
+            raise
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if handle._done.wait(left):
+            handle._staged.set()
+            handle.wait()  # raises its failure
+        return handle
+
+    def _stage(self, job: Job, data: dict, stager: Any) -> None:
+        """Copy each piece into the pool (CUDA chunks on a side stream): an uncapped pool hands
+        the pieces to the writer after the last copy (the stall is one memcpy), a capped one
+        each piece as soon as it is staged (the copy of the next overlaps its write)."""
+        staged = []
+        capped = self._pool.capped
+        io = self.storage.io if capped else None
+        try:
+            if stager is not None:
+                stager.begin_save()
+            for piece in job.plan.pieces:
+                buf = self._pool.acquire(piece.index)  # capped pool: waits for the writer
+                hashes = stage_piece(piece, buf, data, io, stager)
+                # device chunks are still being copied: the writer waits for `ready`
+                ready = stager.end_piece() if stager is not None else None
+                if capped:
+                    job.pieces.put((piece, buf, hashes, ready))
+                else:
+                    staged.append((piece, buf, hashes, ready))
+            for item in staged:
+                job.pieces.put(item)
+            if stager is not None:  # the caller's later kernels run after the copies
+                stager.end_save()
+        except BaseException as e:
+            if stager is not None:  # no copy may still write a buffer the pool hands out
+                stager.abort()
+            job.pieces.put((None, e, None, None))  # the writer fails this save on every rank
+            raise
+
+    def _device_stager(self, data: dict) -> _device.DeviceStager | None:
+        """The stager of this engine's device tensors; None if ``data`` has none."""
+        backend = _device.default_backend()
+        if backend is None or not any(backend.is_device(t) for t in data.values()):
+            return None
+        if self._stager is None or self._stager.backend is not backend:
+            self._stager = _device.DeviceStager(backend, self.options.cuda_stage)
+        return self._stager
+
+    def _take_previous_failure(self) -> tuple[int, BaseException] | None:
+        """(step, error) of the previous save if it failed unobserved, now observed."""
+        last = self._last
+        if last is None or last._reported:
+            return None
+        exc = last.take_failure()
+        return None if exc is None else (last.step, exc)
+
+    def _drain_previous(self) -> None:
+        last = self._last
+        if last is None:
+            return
+        last._done.wait()
+        exc = last.take_failure() if not last._reported else None
+        if exc is not None:
+            raise exc
+
+    # -- load ---------------------------------------------------------------------------------
+    def load(self, state: dict, *, step: int | None = None, strict: bool | None = None) -> int:
+        """Load ``step`` (default: the newest committed) into ``state`` in place; collective.
+
+        Returns the step. Raises CheckpointNotFoundError when there is none.
+        """
+        self._check_open()
+        self._drain_previous()
+        return load_into(self.storage, state, step=step, verify=self.options.verify,
+                         strict=self.options.strict if strict is None else strict)
+
+    def resume(self, state: dict) -> int | None:
+        """Load the newest committed checkpoint into ``state``; its step, or None if none."""
+        try:
+            return self.load(state)
+        except CheckpointNotFoundError:
+            return None
+
+    def latest_step(self) -> int | None:
+        try:
+            return find_step(self.storage)[0]
+        except CheckpointNotFoundError:
+            return None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FastCkptError("this Checkpointer is closed")
+
+    def close(self) -> None:
+        """Wait for in-flight saves, stop the writer thread, release the root; raise an
+        unreported failure. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            atexit.unregister(self._atexit)
+        except Exception:  # noqa: BLE001
+            pass
+        self._writer.close()
+        if self._lease is not None:  # after the last commit
+            self._lease.release()
+            self._lease = None
+        self._pool.close()  # unpinned before they are freed
+        if self._stager is not None:
+            self._stager.close()
+        last = self._last
+        exc = last.take_failure() if last is not None and not last._reported else None
+        if exc is not None:
+            raise exc
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,141 @@
+"""The save plan: which rank writes which chunk, agreed from one exchange of chunk lists.
+
+(all ranks, training thread) Each rank lists its chunks (``local_chunks``: a box of a global
+tensor per DTensor shard or whole regular tensor); one ``all_gather_object`` of the lists and
+skeletons; every rank then computes the same ``SavePlan`` (``make_plan``): the save id (rank
+0's proposal), dtype/shape agreement, and the writer of each chunk (a chunk several ranks hold
+is written once, by the least-loaded holder, largest chunks first).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import StorageError, UnsupportedStateError, WriterLockedError
+from ..manifest import schema as fmt
+from .dtypes import dtype_name
+from .state import is_dtensor
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """One chunk a rank holds: a box of a (global) tensor."""
+    fqn: str
+    dtype: str
+    shape: tuple  # global shape
+    offsets: tuple
+    sizes: tuple
+    nbytes: int
+    dtensor: bool
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    save_id: str
+    step: int
+    world_size: int
+    my_chunks: tuple  # ChunkSpecs this rank writes, in key order
+    tensors: dict  # fqn -> {"dtype", "shape", "dtensor"}
+    trees: list  # per-rank skeletons
+    pieces: tuple = ()  # this rank's shard files (staging.Piece), set by Checkpointer.save
+
+    @property
+    def file_size(self) -> int:
+        """Bytes this rank writes, over all its shard files."""
+        return sum(p.size for p in self.pieces)
+
+
+def local_chunks(tensors: dict[str, torch.Tensor]) -> tuple[list[ChunkSpec], dict]:
+    """This rank's chunks and, per (fqn, offsets), the local tensor holding the data."""
+    specs, data = [], {}
+    for fqn, t in tensors.items():
+        dtype = dtype_name(t.dtype)
+        if is_dtensor(t):
+            local = t.to_local()
+            chunks = t.__create_chunk_list__()
+            if len(chunks) != 1 or tuple(chunks[0].sizes) != tuple(local.shape):
+                raise UnsupportedStateError(
+                    f"DTensor placements {t.placements} give this rank a local tensor that is "
+                    "not a single box of the global tensor; not supported yet", key=fqn)
+            offsets, sizes = tuple(chunks[0].offsets), tuple(chunks[0].sizes)
+            shape = tuple(t.shape)
+        else:
+            local = t.detach()
+            offsets, sizes, shape = (0,) * t.dim(), tuple(t.shape), tuple(t.shape)
+        if local.is_conj() or local.is_neg():
+            # a lazily conjugated or negated view: its memory holds the unconjugated values,
+            # which a write from memory (zero-copy, the capped pool's C copy) would store as
+            # they lie. Materialise it (a new tensor: the user's stays as it is)
+            local = local.resolve_conj().resolve_neg()
+        nbytes = local.numel() * local.element_size()
+        specs.append(ChunkSpec(fqn, dtype, shape, offsets, sizes, nbytes, is_dtensor(t)))
+        data[(fqn, offsets)] = local
+    return specs, data
+
+
+def make_plan(gathered: list[dict], rank: int, step: int) -> SavePlan:
+    """The global plan, computed identically on every rank from everyone's chunk lists."""
+    errors = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"]]
+    if errors:
+        r, msg = errors[0]
+        more = f" (and {len(errors) - 1} more rank(s))" if len(errors) > 1 else ""
+        raise UnsupportedStateError(f"rank {r} cannot save its state: {msg}{more}")
+    tensors: dict[str, dict] = {}
+    holders: dict[tuple, list[int]] = {}
+    spec_of: dict[tuple, ChunkSpec] = {}
+    for r, g in enumerate(gathered):
+        for s in g["specs"]:
+            s = ChunkSpec(*s)
+            meta = {"dtype": s.dtype, "shape": list(s.shape), "dtensor": s.dtensor}
+            prev = tensors.setdefault(s.fqn, meta)
+            if prev != meta:
+                raise UnsupportedStateError(
+                    f"ranks disagree on tensor {s.fqn!r}: {prev} on an earlier rank, {meta} on "
+                    f"rank {r}")
+            key = (s.fqn, s.offsets)
+            holders.setdefault(key, []).append(r)
+            spec_of[key] = s
+    load = [0] * len(gathered)
+    mine = []
+    # largest first, each to the least-loaded holder: replicated chunks are written once
+    for key in sorted(spec_of, key=lambda k: (-spec_of[k].nbytes, k[0], k[1])):
+        writer = min(holders[key], key=lambda r: (load[r], r))
+        load[writer] += spec_of[key].nbytes
+        if writer == rank:
+            mine.append(spec_of[key])
+    mine.sort(key=lambda s: (s.fqn, s.offsets))
+    return SavePlan(save_id=gathered[0]["save_id"], step=step, world_size=len(gathered),
+                    my_chunks=tuple(mine), tensors=tensors,
+                    trees=[g["tree"] for g in gathered])
+
+
+def raise_setup_errors(gathered: list[dict], mine: BaseException | None) -> None:
+    """(all ranks, after the plan exchange) Raise if any rank could not claim the root: its own
+    error on that rank, the same kind naming the rank on the others."""
+    bad = [(r, g["setup"]) for r, g in enumerate(gathered) if g.get("setup")]
+    if not bad:
+        return
+    if mine is not None:
+        raise mine
+    r, (kind, msg) = bad[0]
+    cls = WriterLockedError if kind == WriterLockedError.__name__ else StorageError
+    raise cls(f"rank {r} cannot save: {msg}")
+
+
+def check_user_meta(meta: dict | None) -> dict:
+    """A copy of ``user_meta`` once it is known to be JSON a manifest can hold (else the
+    checkpoint could be committed and then refused on load)."""
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise TypeError(f"user_meta must be a dict, got {type(meta).__qualname__}")
+    try:
+        data = json.dumps(meta, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ValueError(f"user_meta must be plain JSON (str keys, finite numbers): {e}") from None
+    if fmt.too_deep(meta) is not None:
+        raise ValueError(f"user_meta nests deeper than {fmt.MAX_NESTING} levels")
+    return json.loads(data)

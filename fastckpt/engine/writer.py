@@ -1,0 +1,317 @@
+"""The background writer: one thread per Checkpointer that writes each save's shard files
+and runs the commit protocol, so that ``save`` returns once the state is staged.
+
+Call sequence of one save (``Job``), in the writer thread of every rank:
+
+1. make the step directory; (coordinator) publish the in-flight marker ``.inflight-<save_id>``;
+2. take the pieces as the training thread stages them and write them, ``WRITE_STREAMS`` shard
+   files at once (one file's drain, fsync and open overlap the next file's writes), each from
+   its staging buffer (or gathered from the tensors, zero-copy) with the chunk checksums
+   computed in the same pass; then one fsync of the directory;
+3. ``commit.commit``: publish this rank's result; (coordinator) write the manifest when every
+   rank succeeded (the commit point) and publish the outcome at once; every rank learns it;
+4. (coordinator, after the outcome) ``_housekeep``: the ``latest`` hint, leftovers of earlier
+   attempts, retention -- off the commit deadline, each part on its own;
+5. the handle is finished (committed, or failed with the error every rank sees).
+
+Every call to a remote store runs under the save's deadline (``Storage.bounded``): the write
+phase gets ``commit_timeout_s`` (an emergency save: what is left of its grace window), the
+commit exchange as much again, the clean-up of a failed save ``DISCARD_S``.
+
+Thread-safety: ``submit`` from the training thread; everything else runs in the writer thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+from ..errors import FastCkptError
+from ..manifest import schema as fmt
+from ..manifest.discovery import marker_doc, marker_name
+from ..options import CheckpointOptions
+from ..retention import apply_retention
+from ..storage import Storage
+from . import dist as _dist
+from .commit import commit
+from .handle import SaveHandle
+from .plan import SavePlan
+from .staging import Gathered, StagingPool
+
+log = logging.getLogger("fastckpt")
+
+WRITE_STREAMS = 2  # shard files written at once by one rank
+DISCARD_S = 10.0  # removing a failed save's files from a remote store, at most
+_SENTINEL = object()
+
+
+@dataclass
+class Job:
+    """One save, from the training thread to the writer."""
+    plan: SavePlan
+    handle: SaveHandle
+    step_dir: str
+    user_meta: dict = field(default_factory=dict)
+    t0: float = 0.0
+    #: (piece, buffer, hashes, ready) as they are staged; (None, error, ...) when staging failed
+    pieces: queue.Queue = field(default_factory=queue.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)  # superseded: stop early
+    deadline: float | None = None  # monotonic; the emergency save's commit deadline
+    files: set = field(default_factory=set)  # (coordinator) the shard files it committed
+
+
+class Writer:
+    """The writer thread of one Checkpointer (started at its first save)."""
+
+    def __init__(self, storage: Storage, options: CheckpointOptions, rank: int,
+                 pool: StagingPool) -> None:
+        self.storage = storage
+        self.options = options
+        self.rank = rank
+        self.pool = pool
+        #: called (writer thread) after each committed save: (bytes, write_s, stage_s)
+        self.on_saved: list[Callable[[int, float, float], None]] = []
+        self.queue: queue.Queue = queue.Queue()
+        self.exchange: _dist.Exchange | None = None
+        #: (coordinator) the writer lease, checked just before each manifest is written
+        self.lease: Any = None
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: Job) -> None:
+        """(training thread) Hand a save to the writer; it starts on each piece as staged."""
+        if self._thread is None:
+            if self.exchange is None:
+                self.exchange = _dist.Exchange()
+            self._thread = threading.Thread(target=self._run, name="fastckpt-writer",
+                                            daemon=True)
+            self._thread.start()
+        self.queue.put(job)
+
+    def close(self) -> None:
+        """Finish the queued saves and stop the thread. Idempotent."""
+        if self._thread is not None:
+            self.queue.put(_SENTINEL)
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            job = self.queue.get()
+            if job is _SENTINEL:
+                return
+            try:
+                self._write_and_commit(job)
+                job.handle._finish(None)
+            except BaseException as e:  # carried to the caller through the handle
+                log.error("fastckpt: rank %d: save of step %d failed: %s", self.rank,
+                          job.handle.step, e)
+                job.handle._finish(e)
+
+    def _write_and_commit(self, job: Job) -> None:
+        """(background) Write this rank's shards, then the commit protocol. Every call to a
+        remote store runs under the save's deadline: the write phase gets ``commit_timeout_s``
+        (an emergency save: what is left of its grace window), the commit exchange as much
+        again, so a store that stops answering fails the save instead of hanging it."""
+        plan, d = job.plan, job.step_dir
+        write_deadline = time.monotonic() + self.options.commit_timeout_s
+        if job.deadline is not None:
+            write_deadline = min(write_deadline, job.deadline)
+        st = self.storage.bounded(write_deadline)
+        marker = f"{d}/{marker_name(plan.save_id)}"
+        result: dict[str, Any]
+        local_exc: BaseException | None = None
+        t0 = time.perf_counter()
+        try:
+            st.makedirs(d)
+            if self.rank == 0:
+                st.publish(marker, marker_doc(plan.save_id, host=socket.gethostname(),
+                                              pid=os.getpid()))
+            files = []
+            remaining = len(plan.pieces)
+            pending: collections.deque = collections.deque()
+            try:
+                # WRITE_STREAMS pieces are written at once, so one file's drain, fsync and
+                # open overlap the next file's writes and the device queue never runs dry
+                with ThreadPoolExecutor(WRITE_STREAMS, thread_name_prefix="fastckpt-io") as ex:
+                    while remaining:
+                        piece, buf, hashes, ready = job.pieces.get()
+                        remaining -= 1
+                        if piece is None:
+                            remaining = 0  # the training thread stopped staging
+                            raise FastCkptError(f"staging failed: {buf}") from buf
+                        if job.cancel.is_set():
+                            self._release(buf, ready)
+                            raise FastCkptError(f"save of step {plan.step} was superseded by a "
+                                                "newer save (preemption); nothing was committed")
+                        while len(pending) >= WRITE_STREAMS or (pending and pending[0].done()):
+                            files.append(pending.popleft().result())  # raises a write's error
+                        pending.append(ex.submit(self._write_piece, st, d, plan, piece, buf,
+                                                 hashes, ready))
+                    while pending:
+                        files.append(pending.popleft().result())
+                files.sort(key=lambda f: f["piece"])
+                st.sync_dir(d)  # the files' entries, once for all of them
+            finally:
+                # after a failure, take the pieces still coming so a capped pool never leaves
+                # the training thread waiting for a buffer (the executor has finished by now:
+                # its writes released their own buffers)
+                while remaining:
+                    piece, buf, _, ready = job.pieces.get()
+                    remaining = 0 if piece is None else remaining - 1
+                    if piece is not None:
+                        self._release(buf, ready)
+            result = {"ok": True, "files": files}
+        except Exception as e:
+            local_exc = e
+            result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        if local_exc is None and job.cancel.is_set():
+            local_exc = FastCkptError(f"save of step {plan.step} was superseded by a newer save "
+                                      "(preemption); nothing was committed")
+            result = {"ok": False, "error": str(local_exc)}
+        t1 = time.perf_counter()
+        deadline = time.monotonic() + self.options.commit_timeout_s
+        if job.deadline is not None:
+            deadline = min(deadline, job.deadline)
+        try:
+            commit(self.exchange, save_id=plan.save_id, rank=self.rank,
+                   world_size=plan.world_size, result=result, deadline=deadline,
+                   coordinator=lambda results: self._coordinate(
+                       job, results, self.storage.bounded(deadline)))
+        except FastCkptError as e:
+            self._discard(job, marker)
+            if local_exc is not None and e.__cause__ is None:
+                raise e from local_exc
+            raise
+        job.handle.timings["commit_s"] = time.perf_counter() - t1
+        if self.rank == 0:
+            self._housekeep(job)
+        job.handle.bytes_written = plan.file_size
+        job.handle.timings["write_s"] = t1 - t0
+        job.handle.timings["total_s"] = time.perf_counter() - job.t0
+        for cb in self.on_saved:
+            cb(plan.file_size, t1 - t0, job.handle.timings.get("stage_s", 0.0))
+
+    def _discard(self, job: Job, marker: str) -> None:
+        """(background, after a failed save) Remove this rank's files of the save, so a full
+        disk is not kept full by the attempt; best effort and bounded (DISCARD_S on a remote
+        store), the next commit removes the rest."""
+        st = self.storage.bounded(time.monotonic() + DISCARD_S)
+        try:
+            for piece in job.plan.pieces:
+                st.remove(
+                    f"{job.step_dir}/{fmt.shard_name(self.rank, job.plan.save_id, piece.index)}")
+            if self.rank == 0:
+                st.remove(marker)
+        except Exception as e:  # noqa: BLE001
+            log.warning("fastckpt: rank %d: could not remove the failed save's files: %s",
+                        self.rank, e)
+
+    def _release(self, buf: Any, ready: Any) -> None:
+        """(background) Give an unwritten piece's buffer back once no copy still fills it."""
+        if ready is not None:
+            ready.wait()
+        self.pool.release(buf)
+
+    def _write_piece(self, st: Storage, d: str, plan: SavePlan, piece: Any, buf: memoryview,
+                     hashes: list[int] | None, ready: Any = None) -> dict:
+        """(background) Write one shard file from its staged buffer, then release the buffer to
+        the pool; the file's manifest entries.
+        ``hashes``: the chunks' checksums when staging computed them, else computed here while
+        writing. ``ready``: the device-to-host copies into ``buf`` to wait for first. No
+        whole-file checksum: every byte of a shard is a chunk (checksummed) or alignment padding
+        (zero), which is what ``verify`` checks."""
+        if ready is not None:
+            ready.wait()
+        name = fmt.shard_name(self.rank, plan.save_id, piece.index)
+        path = f"{d}/{name}"
+        gathered = isinstance(buf, Gathered)
+        ranges = [(s.offset, s.spec.nbytes) for s in piece.slots]
+        if gathered:  # zero-copy: from the tensors' memory and a small bounce buffer
+            hashes = st.write_gathered(path, piece.size, buf.segments, buf.hash_ranges)
+        else:
+            try:
+                hashes = st.write_shard(path, buf, piece.size, ranges, hashes=hashes,
+                                        sync_dir=False)
+            finally:
+                self.pool.release(buf)
+        chunks = [{"fqn": s.spec.fqn, "offsets": list(s.spec.offsets),
+                   "sizes": list(s.spec.sizes), "offset": s.offset, "length": s.spec.nbytes,
+                   "checksum": fmt.hexdigest(h)} for s, h in zip(piece.slots, hashes)]
+        return {"file": name, "piece": piece.index, "size": piece.size, "chunks": chunks}
+
+    def _coordinate(self, job: Job, results: list[dict], st: Storage) -> dict:
+        """(coordinator) Write the manifest for a save every rank completed; the commit point
+        (``st``: the storage bounded by the commit deadline)."""
+        plan, d = job.plan, job.step_dir
+        files: dict[str, dict] = {}
+        tensors = {fqn: {**m, "chunks": []} for fqn, m in plan.tensors.items()}
+        for r, res in enumerate(results):
+            for f in res["files"]:
+                files[f["file"]] = {"rank": r, "size": f["size"]}
+                for c in f["chunks"]:
+                    tensors[c["fqn"]]["chunks"].append({
+                        "offsets": c["offsets"], "sizes": c["sizes"], "rank": r,
+                        "file": f["file"], "offset": c["offset"], "length": c["length"],
+                        "checksum": c["checksum"]})
+        body = fmt.new_manifest_body(step=plan.step, world_size=plan.world_size,
+                                     save_id=plan.save_id, files=files, tensors=tensors,
+                                     trees=plan.trees, user_meta=job.user_meta,
+                                     torch_version=_torch_version())
+        if self.lease is not None:  # nobody took the root over since the save began
+            self.lease.check()
+        st.publish(f"{d}/{fmt.MANIFEST}", fmt.encode_manifest(body))
+        job.files = set(files)
+        # nothing else here: the outcome is published as soon as the manifest is (the other
+        # ranks wait only until the deadline); housekeeping runs after it (_housekeep)
+        return {"step": plan.step, "bytes": sum(f["size"] for f in files.values())}
+
+    def _housekeep(self, job: Job) -> None:
+        """(coordinator, after the outcome was published) The ``latest`` hint, the leftovers of
+        earlier attempts at this step, retention. None of it can undo the commit; each part runs
+        even when another failed, and what failed is finished by the next save's retention or
+        by ``fastckpt gc``. An emergency save (``job.deadline``) to an object store skips
+        retention (many DELETEs would eat the grace window the ranks' final barrier needs); on
+        a local file system removal takes milliseconds and runs."""
+        st, d, plan = self.storage, job.step_dir, job.plan
+
+        def leftovers() -> None:
+            keep = job.files | {fmt.MANIFEST}
+            for n in st.listdir(d):
+                if n not in keep:
+                    st.remove(f"{d}/{n}")
+
+        def retention() -> None:
+            removed = apply_retention(st, self.options.keep_last, protect={plan.step},
+                                      force_partial=True)
+            if removed:
+                log.info("fastckpt: retention removed steps %s", removed)
+
+        parts = [
+            # a hint for people and scripts (fastckpt itself lists the steps): not synced
+            ("updating the latest hint", lambda: st.publish(
+                st.join(fmt.LATEST), json.dumps({"step": plan.step}).encode(), durable=False)),
+            ("removing leftovers of earlier attempts", leftovers),
+        ]
+        if job.deadline is None or st.is_local:
+            parts.append(("retention", retention))
+        for what, fn in parts:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - committed: retried by the next save / gc
+                log.warning("fastckpt: step %d committed, but %s failed: %s (the next save or "
+                            "`fastckpt gc` finishes it)", plan.step, what, e)
+
+
+def _torch_version() -> str:
+    import torch  # already imported by the engine; recorded in the manifest
+    return str(torch.__version__)

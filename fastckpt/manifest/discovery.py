@@ -1,0 +1,199 @@
+"""Which steps exist under a root, and reading a step's manifest. Torch-free.
+
+Used by the engine (load, retention), the DCP reader and every command-line tool. A step
+directory is ``step-NNNNNNNNNN``; it is *committed* when it holds a valid ``manifest.json``.
+The in-flight markers a save leaves while it runs (``.inflight-<save_id>``) are read here too.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import time
+
+from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, NotRegularFileError,
+                      StorageError)
+from ..storage import Storage
+from . import schema as fmt
+
+log = logging.getLogger("fastckpt")
+
+#: full scans of a root that keeps changing before ``find_step`` gives up (with an error that
+#: is not "no checkpoint": a job script must never start fresh because a writer was busy)
+MAX_SCANS = 20
+
+
+def list_steps(storage: Storage) -> list[tuple[int, str]]:
+    """(step, directory) of every step directory under the root, ascending (links inside a
+    local root are left out: see fastckpt/storage/local.py)."""
+    out = []
+    for name in storage.listdir(storage.root):
+        s = fmt.parse_step_dirname(name)
+        if s is not None:
+            out.append((s, storage.join(name)))
+    return sorted(out)
+
+
+def read_manifest(storage: Storage, step_dir: str, *, step: int | None = None) -> dict | None:
+    """The validated manifest body of a step directory; None if it has no manifest (or it was
+    removed between the stat and the read). CorruptCheckpointError when it is damaged, crafted,
+    too large, or not a regular file; StorageError when the storage cannot be read."""
+    path = f"{step_dir}/{fmt.MANIFEST}"
+    try:
+        n = storage.size(path)
+        if n is None:
+            return None
+        if n > fmt.MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(f"manifest is {n} bytes, more than the "
+                                         f"{fmt.MAX_MANIFEST_BYTES} fastckpt reads", file=path)
+        data = storage.read_bytes(path)
+    except NotRegularFileError as e:
+        raise CorruptCheckpointError(f"the manifest is not a regular file ({e})",
+                                     file=path) from None
+    except StorageError as e:
+        if is_missing(e):  # removed since the stat: retention or gc
+            return None
+        raise
+    return fmt.decode_manifest(data, file=path, step=step)
+
+
+def is_missing(e: BaseException) -> bool:
+    """Whether a storage error says the path does not exist."""
+    return (getattr(e, "errno", None) == errno.ENOENT
+            or isinstance(e.__cause__, FileNotFoundError))
+
+
+def find_step(storage: Storage, step: int | None = None, *,
+              skipped: list | None = None) -> tuple[int, str, dict]:
+    """The requested step, or the newest step with a valid manifest.
+
+    ``step=None``: a step whose manifest is damaged is skipped with a warning naming it (and
+    appended to ``skipped``) so that one bad step never stops a resume; CorruptCheckpointError
+    only when damaged manifests are all there is. The ``latest`` hint is not consulted: the
+    listing decides. Safe against a writer committing and removing steps meanwhile (retention
+    after each commit): a pass newest-first that finds nothing is confirmed by a pass
+    oldest-first and a second listing. In an oldest-first pass that misses, every committed step
+    it listed was removed before it was read, which retention does only after committing a
+    newer step; the newest committed step is never removed, so it is in the second listing and
+    not in the first, and the scan runs again. So CheckpointNotFoundError means there was an
+    instant with no committed step, never "a writer was busy".
+
+    ``step=N``: that step or CheckpointNotFoundError; a damaged manifest raises
+    CorruptCheckpointError naming it.
+    """
+    if step is not None:
+        d = storage.join(fmt.step_dirname(step))
+        body = read_manifest(storage, d, step=step)
+        if body is None:
+            raise CheckpointNotFoundError(f"step {step} has no committed checkpoint under "
+                                          f"{storage.root}", file=d)
+        return step, d, body
+    bad: dict[int, CorruptCheckpointError] = {}
+
+    def scan(listing: list, newest_first: bool) -> tuple[int, str, dict] | None:
+        hit = None
+        for s, d in (reversed(listing) if newest_first else listing):
+            try:
+                body = read_manifest(storage, d, step=s)
+            except CorruptCheckpointError as e:
+                bad[s] = e
+                continue
+            if body is not None:
+                bad.pop(s, None)
+                hit = (s, d, body)
+                if newest_first:
+                    break
+        return hit
+
+    for _ in range(MAX_SCANS):
+        listing = list_steps(storage)
+        hit = scan(listing, True)
+        if hit is None:
+            listing = list_steps(storage)
+            hit = scan(listing, False)
+        if hit is not None:
+            newer = sorted(s for s in bad if s > hit[0])
+            for s in newer:
+                log.warning("fastckpt: skipping step %d, its manifest is damaged (%s); the "
+                            "newest valid step is %d", s, bad[s], hit[0])
+                if skipped is not None:
+                    skipped.append(bad[s])
+            return hit
+        again = {s for s, _ in list_steps(storage)}
+        if again <= {s for s, _ in listing}:
+            break
+    else:
+        raise StorageError(f"the root kept changing over {MAX_SCANS} scans (steps committed "
+                           "and removed faster than they could be listed); try again",
+                           file=storage.root)
+    if bad:  # damaged manifests are all there is: the newest one's error (file, tensor)
+        raise bad[max(bad)]
+    hint = root_hint(storage)
+    if hint is None:
+        hint = f"{len(listing)} step directories, none committed" if listing else \
+            "no step directories"
+    raise CheckpointNotFoundError(f"no committed checkpoint under {storage.root} ({hint})")
+
+
+def looks_like_step_dir(storage: Storage) -> str | None:
+    """The parent to use when the root given is itself a step directory (its name is
+    ``step-N`` and it holds a manifest or shard files), else None."""
+    root = storage.root.rstrip("/")
+    parent, _, name = root.rpartition("/")
+    if fmt.parse_step_dirname(name) is None:
+        return None
+    try:
+        names = storage.listdir(root)
+    except StorageError:
+        return None
+    if fmt.MANIFEST in names or any(n.endswith(fmt.SHARD_SUFFIX) for n in names):
+        return parent or "/"
+    return None
+
+
+def root_hint(storage: Storage) -> str | None:
+    """Why a root holds no step at all, when there is a likelier reason than "nothing saved
+    yet": it does not exist (a mistyped path), or it is a step directory (use its parent)."""
+    parent = looks_like_step_dir(storage)
+    if parent is not None:
+        return f"it is a step directory: give its parent, {parent}"
+    if storage.is_local:
+        import os
+        if not os.path.exists(storage.root):
+            return "the directory does not exist: mistyped, or nothing was saved there yet"
+    return None
+
+
+
+
+def marker_name(save_id: str) -> str:
+    return f"{fmt.INFLIGHT_PREFIX}{save_id}"
+
+
+def marker_doc(save_id: str, *, host: str, pid: int) -> bytes:
+    """The content of a save's in-flight marker."""
+    return json.dumps({"save_id": save_id, "created_unix": time.time(), "host": host,
+                       "pid": pid}).encode()
+
+
+def read_small_json(storage: Storage, path: str) -> dict | None:
+    """A small JSON object (a marker, a record); None when it is missing, unreadable, larger
+    than 1 MiB or not a mapping. Never raises."""
+    try:
+        if (storage.size(path) or 0) > 1 << 20:
+            return None
+        doc = json.loads(storage.read_bytes(path))
+        return doc if isinstance(doc, dict) else None
+    except Exception:  # noqa: BLE001 - a damaged record says nothing
+        return None
+
+
+def marker_time(storage: Storage, path: str) -> float:
+    """When the save of an in-flight marker began; 0.0 when the marker is unreadable (treated
+    as old)."""
+    doc = read_small_json(storage, path) or {}
+    try:
+        return float(doc["created_unix"])
+    except (KeyError, TypeError, ValueError):
+        return 0.0

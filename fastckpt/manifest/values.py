@@ -1,0 +1,96 @@
+"""The plain-value part of a saved state: JSON data with a few tags. Torch-free.
+
+A saved state's *skeleton* is JSON: every tensor is replaced by ``{"$tensor": fqn}``, plain
+values are kept as data, and what JSON cannot hold exactly is tagged: ``{"$tuple": [...]}``,
+``{"$dict": [[key, value], ...]}`` (non-string keys, or string keys starting with ``$``) and
+``{"$float": "nan" | "inf" | "-inf"}``. Nothing is ever pickled. ``format.validate_body`` checks
+that a manifest's skeleton uses only these tags, well-formed; this module encodes and decodes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from ..errors import StateMismatchError, UnsupportedStateError
+
+TENSOR_TAG = "$tensor"
+
+
+def fqn(path: tuple) -> str:
+    """A key path as DCP names it: keys and indices joined with "."."""
+    return ".".join(str(p) for p in path)
+
+
+def path_str(path: tuple) -> str:
+    return fqn(path) if path else "<root>"
+
+
+def encode_value(x: Any, path: tuple) -> Any:
+    """Encode a plain Python value as JSON data; raise UnsupportedStateError naming the path."""
+    if x is None or isinstance(x, bool):
+        return x
+    if isinstance(x, int):
+        return int(x)
+    if isinstance(x, float):
+        f = float(x)
+        if math.isfinite(f):
+            return f
+        return {"$float": "nan" if math.isnan(f) else ("inf" if f > 0 else "-inf")}
+    if isinstance(x, str):
+        return str(x)
+    if isinstance(x, list):
+        return [encode_value(v, path + (i,)) for i, v in enumerate(x)]
+    if isinstance(x, tuple):
+        return {"$tuple": [encode_value(v, path + (i,)) for i, v in enumerate(x)]}
+    if isinstance(x, dict):
+        if all(isinstance(k, str) and not k.startswith("$") for k in x):
+            return {k: encode_value(v, path + (k,)) for k, v in x.items()}
+        return {"$dict": [[encode_value(k, path + ("<key>",)), encode_value(v, path + (k,))]
+                          for k, v in x.items()]}
+    raise UnsupportedStateError(
+        f"cannot store a {type(x).__module__}.{type(x).__qualname__} at key path "
+        f"{path_str(path)!r}: state may hold tensors, DTensors, modules, optimizers, objects with "
+        "state_dict()/load_state_dict(), and plain int/float/str/bool/None values in dicts, lists "
+        "and tuples (convert numpy values with .item() or .tolist())")
+
+
+def decode_value(x: Any, tensor_for: Callable[[str], Any] | None = None) -> Any:
+    """Inverse of the skeleton encoding; ``tensor_for(fqn)`` supplies tensors for references."""
+    if isinstance(x, list):
+        return [decode_value(v, tensor_for) for v in x]
+    if isinstance(x, dict):
+        if TENSOR_TAG in x:
+            if tensor_for is None:
+                raise StateMismatchError("unexpected tensor reference in plain data",
+                                         key=x[TENSOR_TAG])
+            return tensor_for(x[TENSOR_TAG])
+        if "$tuple" in x:
+            return tuple(decode_value(v, tensor_for) for v in x["$tuple"])
+        if "$dict" in x:
+            return {hashable_key(decode_value(k)): decode_value(v, tensor_for) for k, v in x["$dict"]}
+        if "$float" in x:
+            return float(x["$float"])
+        return {k: decode_value(v, tensor_for) for k, v in x.items()}
+    return x
+
+
+def hashable_key(k: Any) -> Any:
+    return tuple(hashable_key(v) for v in k) if isinstance(k, list) else k
+
+
+def skel_items(skel: Any) -> list[tuple[Any, Any]] | None:
+    """(key, child) pairs of a skeleton dict node, decoding non-string keys; None if not a dict."""
+    if not isinstance(skel, dict) or TENSOR_TAG in skel or "$tuple" in skel or "$float" in skel:
+        return None
+    if "$dict" in skel:
+        return [(hashable_key(decode_value(k)), v) for k, v in skel["$dict"]]
+    return list(skel.items())
+
+
+def skel_seq(skel: Any) -> list | None:
+    if isinstance(skel, list):
+        return skel
+    if isinstance(skel, dict) and "$tuple" in skel:
+        return skel["$tuple"]
+    return None

@@ -1,0 +1,86 @@
+"""The grace-window budget: what each rank must write and how fast, and the decision every
+rank computes alike from every rank's report.
+
+Each rank reports (``estimate``): the bytes it writes, its write and staging bandwidth (the
+last saves' measurements; before the first, ``fastckpt bench``'s record in the root, else
+``assumed_write_mibps``), the in-flight save and what finishing it or stopping it after its
+current shard file costs, and the time left. ``decide`` turns all reports into one of: save,
+wait (for the in-flight save, which is the checkpoint), wait_then_save, supersede (stop the
+in-flight save after its current file, save the newer step), abandon, skip.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def bench_record(root: str) -> dict | None:
+    """Per-rank bandwidths from ``fastckpt bench``'s record in the root, if there is one."""
+    try:
+        from ..bench.record import read_bench
+        rec = read_bench(root)
+        per = (rec or {}).get("per_rank_bytes_per_s") or {}
+        return {k: float(v) for k, v in per.items() if isinstance(v, (int, float)) and v > 0}
+    except Exception:  # noqa: BLE001 - a damaged record must not break the emergency path
+        return None
+
+
+def estimate(*, samples: list, state_bytes: Any, assumed_write_bps: float, record: Any,
+             inflight: Any, piece_bytes: int, left_s: float, zero_copy: bool) -> dict:
+    """This rank's report. ``samples``: (bytes, write_s, stage_s) of the last committed saves;
+    ``state_bytes()``: the bytes of the state (called only without samples); ``record()``: the
+    bench record's bandwidths (same); ``inflight``: the handle of the save in flight or None,
+    ``piece_bytes`` its largest shard file; ``zero_copy``: the emergency save is written
+    straight from the tensors (no staging: its time is the write's; else staging comes first
+    and the write after, as in an uncapped pool, the conservative case)."""
+    if samples:
+        nbytes = samples[-1][0]
+        write_bps = sum(s[0] for s in samples) / sum(s[1] for s in samples)
+        ssum = sum(s[2] for s in samples)
+        stage_bps = sum(s[0] for s in samples) / ssum if ssum > 0 else 2e9
+        source = f"measured on {len(samples)} save(s)"
+    else:
+        nbytes = state_bytes()
+        write_bps, stage_bps = assumed_write_bps, 2e9
+        source = "assumed (no save measured yet)"
+        rec = record()
+        if rec:  # `fastckpt bench ROOT` measured this storage
+            write_bps = rec.get("save") or write_bps
+            stage_bps = rec.get("stage") or stage_bps
+            source = "fastckpt bench record (no save measured yet)"
+    stage_s = 0.0 if zero_copy else nbytes / stage_bps
+    est_s = stage_s + nbytes / write_bps + 0.5  # + plan gather, manifest, acks
+    # superseding stops the in-flight save before its next piece: at worst one piece (one
+    # shard file) is still written first
+    return {"bytes": int(nbytes), "write_mibps": round(write_bps / (1 << 20), 2),
+            "est_s": round(est_s, 4), "source": source,
+            "inflight_step": inflight.step if inflight is not None else None,
+            "inflight_left_s": round(nbytes / write_bps + 0.5, 4) if inflight else 0.0,
+            "inflight_piece_s": round(min(piece_bytes, nbytes) / write_bps, 4)
+            if inflight else 0.0,
+            "left_s": round(left_s, 4)}
+
+
+def decide(reports: list[dict], step: int, margin: float) -> tuple[str, dict]:
+    """The same decision on every rank, from every rank's report."""
+    left = min(r["left_s"] for r in reports) - margin
+    est = max(r["est_s"] for r in reports)
+    infl = [r["inflight_step"] for r in reports if r["inflight_step"] is not None]
+    infl_left = max(r["inflight_left_s"] for r in reports)
+    piece_left = max(r.get("inflight_piece_s", r["inflight_left_s"]) for r in reports)
+    nums = {"left_s": round(left, 3), "est_save_s": round(est, 3),
+            "bytes": sum(r["bytes"] for r in reports),
+            "inflight_step": max(infl) if infl else None,
+            "inflight_left_s": round(infl_left, 3) if infl else 0.0,
+            "inflight_piece_s": round(piece_left, 3) if infl else 0.0}
+    if not infl:
+        return ("save" if est <= left else "skip"), nums
+    if max(infl) >= step:
+        return ("wait" if infl_left <= left else "abandon"), nums
+    if infl_left + est <= left:
+        return "wait_then_save", nums
+    if piece_left + est <= left:
+        return "supersede", nums  # the newer step fits only without the older one
+    if infl_left <= left:
+        return "wait", nums
+    return "abandon", nums

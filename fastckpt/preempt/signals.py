@@ -1,0 +1,173 @@
+"""The signal trap: the only place in fastckpt that installs signal handlers.
+
+A ``SignalTrap`` installs Python handlers for the configured signals that only append
+``(signum, time)`` to a list, and ``signal.set_wakeup_fd`` on a pipe, so the C-level handler
+wakes the watcher thread at once, even while the training thread is blocked in a C call or a
+collective. Earlier handlers are chained (Python callables) and restored by ``close``; a forked
+child (a DataLoader worker) gets them back at fork and never acts on a signal. One trap per
+process holds the signals (the process-wide registry ``_active``: signal handlers are
+process-global by nature).
+
+Call sequence: ``install`` (main thread) -> the watcher calls ``poll(timeout)`` in a loop and
+gets each delivered signal once -> ``close`` (main thread). ``request`` (any thread) injects a
+stop from code (``-1`` preempt, ``-2`` cancel).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger("fastckpt.preempt")
+
+_lock = threading.Lock()
+_active: "SignalTrap | None" = None  # the one trap holding the signal handlers
+_fork_hook = False
+
+REQUEST_PREEMPT = -1
+REQUEST_CANCEL = -2
+
+
+def signame(num: int) -> str:
+    if num == REQUEST_PREEMPT:
+        return "request_stop"
+    if num == REQUEST_CANCEL:
+        return "request_cancel"
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return str(num)
+
+
+def _after_fork_child() -> None:
+    """In a forked child (DataLoader worker): give the signals back, never act on them."""
+    trap = _active
+    if trap is None:
+        return
+    trap.forked = True
+    try:
+        signal.set_wakeup_fd(-1)
+        for sig, old in trap.old_handlers.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+    except Exception:  # noqa: BLE001 - best effort in a child that will not act on signals
+        pass
+
+
+class SignalTrap:
+    """Records the configured signals for one watcher. Thread-safety: the handler appends, the
+    watcher reads (GIL-ordered list operations)."""
+
+    def __init__(self, signals: set[int]) -> None:
+        self.signals = set(signals)
+        self.old_handlers: dict[int, Any] = {}
+        self.forked = False
+        self.trapped: list[str] = []  # names of the signals handled (empty off the main thread)
+        self._handler_sigs: list[tuple[int, float]] = []  # appended by the handlers only
+        self._seen = 0
+        self._old_wakeup = -1
+        self._rfd = self._wfd = -1
+        self._pid = os.getpid()
+
+    def install(self) -> None:
+        """(main thread) Take the signals; raises if another trap of this process holds them.
+        Off the main thread nothing is installed (``request`` still works)."""
+        global _active, _fork_hook
+        with _lock:
+            if _active is not None and _active is not self:
+                raise RuntimeError("another Checkpointer already holds the preemption trap in "
+                                   "this process; close it first")
+            _active = self
+            if not _fork_hook:
+                os.register_at_fork(after_in_child=_after_fork_child)
+                _fork_hook = True
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._rfd, self._wfd = os.pipe()
+        os.set_blocking(self._rfd, False)
+        os.set_blocking(self._wfd, False)
+        for s in sorted(self.signals):
+            self.old_handlers[s] = signal.signal(s, self._handler)
+            self.trapped.append(signame(s))
+        self._old_wakeup = signal.set_wakeup_fd(self._wfd, warn_on_full_buffer=False)
+
+    def close(self) -> None:
+        """(main thread) Give the signals back to their earlier handlers. Idempotent."""
+        global _active
+        if not self.forked and threading.current_thread() is threading.main_thread():
+            try:
+                if self._rfd >= 0:
+                    signal.set_wakeup_fd(self._old_wakeup)
+                for s, old in self.old_handlers.items():
+                    signal.signal(s, old if old is not None else signal.SIG_DFL)
+            except Exception as e:  # noqa: BLE001
+                log.warning("fastckpt: could not restore signal handlers: %s", e)
+        self.old_handlers = {}
+        for fd in (self._rfd, self._wfd):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._rfd = self._wfd = -1
+        with _lock:
+            if _active is self:
+                _active = None
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        """(main thread, between bytecodes) Record only."""
+        if os.getpid() != self._pid:  # a forked child that kept the handler: act as before
+            old = self.old_handlers.get(signum)
+            signal.signal(signum, old if old is not None else signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self._handler_sigs.append((signum, time.time()))
+        old = self.old_handlers.get(signum)
+        if callable(old) and old is not signal.default_int_handler:
+            old(signum, frame)  # chain a Python-level handler installed before ours
+
+    def request(self, cancel: bool = False) -> None:
+        """(any thread) A stop asked for from code, e.g. a cloud termination-notice poller."""
+        self._handler_sigs.append((REQUEST_CANCEL if cancel else REQUEST_PREEMPT, time.time()))
+        if self._wfd >= 0:
+            try:
+                os.write(self._wfd, b"\0")
+            except OSError:
+                pass
+
+    def poll(self, timeout: float, stop: threading.Event) -> tuple[bool, list[tuple]]:
+        """(watcher) Wait up to ``timeout`` for a delivery; (woke, [(signum, wall time, source)])
+        of the signals not returned before. The wakeup fd counts deliveries; the handlers' list
+        is read for ``request`` and where there is no wakeup fd (off the main thread)."""
+        woke = False
+        out: list[tuple] = []
+        if self._rfd >= 0:
+            try:
+                r, _, _ = select.select([self._rfd], [], [], timeout)
+            except (OSError, ValueError):
+                r = []
+            if r:
+                woke = True
+                try:
+                    data = os.read(self._rfd, 512)
+                except OSError:
+                    data = b""
+                now = time.time()
+                out += [(b, now, "wakeup_fd") for b in data if b in self.signals]
+                if self._old_wakeup >= 0 and data:
+                    try:
+                        os.write(self._old_wakeup, data)  # chain the previous wakeup fd
+                    except OSError:
+                        pass
+        else:
+            stop.wait(timeout)
+        while self._seen < len(self._handler_sigs):
+            signum, t = self._handler_sigs[self._seen]
+            self._seen += 1
+            if signum < 0 or self._rfd < 0:
+                out.append((signum, t, "handler" if signum > 0 else "request"))
+        return woke, out

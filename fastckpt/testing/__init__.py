@@ -1,0 +1,1 @@
+"""Test support shipped with fastckpt: fault injection as a Storage wrapper (:mod:`.faults`)."""

@@ -1,0 +1,237 @@
+"""Every step directory under a root, as ``fastckpt ls`` shows it. Torch-free."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import CorruptCheckpointError, StorageError
+from ..manifest import schema as fmt
+from ..manifest.discovery import (find_step, list_steps, marker_time, read_manifest,
+                                  read_small_json, root_hint)
+from ..retention import INFLIGHT_GRACE_S
+from ..storage import Storage, open_storage
+
+VERIFIED_PREFIX = ".verified-"
+VERIFY_FAILED_PREFIX = ".verify-failed-"
+
+
+def as_storage(root: str | os.PathLike | Storage, **kw: Any) -> Storage:
+    return root if isinstance(root, Storage) else open_storage(str(root), **kw)
+
+
+def display_path(storage: Storage, path: str) -> str:
+    """A path as the user would type it: a URL for fsspec backends, a plain path otherwise."""
+    disp = getattr(storage, "display", None)
+    return disp(path) if callable(disp) else path
+
+
+def _entries(storage: Storage, d: str) -> dict[str, tuple[int | None, float | None]]:
+    """name -> (size, mtime) of the files of a directory, in one listing where possible."""
+    if storage.is_local:
+        out = {}
+        try:
+            it = os.scandir(d)
+        except (FileNotFoundError, NotADirectoryError):  # gone, or a stray file named step-*
+            return {}
+        except OSError as e:
+            from ..storage.base import storage_error
+            raise storage_error(e, "listing", d) from e
+        with it:
+            for e in it:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                    out[e.name] = (st.st_size, st.st_mtime)
+                except OSError:
+                    out[e.name] = (None, None)
+        return out
+    fs = getattr(storage, "fs", None)
+    if fs is not None:
+        try:
+            fs.invalidate_cache(d)
+            infos = fs.ls(d, detail=True)
+        except FileNotFoundError:
+            return {}
+        except Exception as e:
+            from ..storage.base import storage_error
+            raise storage_error(e, "listing", display_path(storage, d)) from e
+        out = {}
+        for info in infos:
+            name = str(info.get("name", "")).rstrip("/").rsplit("/", 1)[-1]
+            out[name] = (info.get("size"), _mtime_of(info))
+        return out
+    return {n: (storage.size(f"{d}/{n}"), None) for n in storage.listdir(d)}
+
+
+def _mtime_of(info: dict) -> float | None:
+    for key in ("mtime", "LastModified", "last_modified", "updated", "created", "modified"):
+        v = info.get(key)
+        if v is None:
+            continue
+        if isinstance(v, (int, float)):
+            return float(v)
+        ts = getattr(v, "timestamp", None)
+        if callable(ts):
+            try:
+                return float(ts())
+            except Exception:
+                continue
+        try:
+            from datetime import datetime
+            return datetime.fromisoformat(str(v).replace("Z", "+00:00")).timestamp()
+        except Exception:
+            continue
+    return None
+
+
+@dataclass
+class StepRecord:
+    """One step directory as ``fastckpt ls`` shows it.
+
+    state: "committed" (valid manifest), "corrupt" (a manifest that fails validation),
+    "writing" (no manifest; an in-flight marker or a file younger than the grace period: a save
+    may be running) or "partial" (no manifest, nothing recent: an abandoned save).
+    checksum: "verified" / "failed" (the result ``verify`` recorded for this save) /
+    "unverified"; None for steps that are not committed.
+    """
+    step: int
+    path: str
+    state: str
+    created_unix: float | None = None
+    size_bytes: int = 0
+    world_size: int | None = None
+    save_id: str | None = None
+    tensors: int | None = None
+    files: int = 0
+    checksum: str | None = None
+    verified_unix: float | None = None
+    latest: bool = False
+    inflight_since: float | None = None
+    modified_unix: float | None = None
+    error: str | None = None
+    #: names in the step directory left by a save that committed or a publish that was
+    #: interrupted (``gc`` removes them from a step it keeps)
+    leftovers: list = field(default_factory=list)
+    _dir: str = field(default="", repr=False)
+
+    @property
+    def committed(self) -> bool:
+        return self.state == "committed"
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.pop("_dir")
+        d["created"] = (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created_unix))
+                        if self.created_unix else None)
+        return d
+
+
+def _describe_one(storage: Storage, step: int, d: str, now: float, grace: float) -> StepRecord:
+    rec = StepRecord(step=step, path=display_path(storage, d), state="partial", _dir=d)
+    try:
+        ents = _entries(storage, d)
+    except StorageError as e:  # this step only: the others are still listed
+        rec.state, rec.error = "corrupt", str(e)
+        return rec
+    rec.size_bytes = sum(s or 0 for s, _ in ents.values())
+    rec.files = sum(1 for n in ents if n.endswith(fmt.SHARD_SUFFIX))
+    mtimes = [m for _, m in ents.values() if m is not None]
+    if storage.is_local:  # a directory a save just created, before its marker is written
+        try:
+            mtimes.append(os.lstat(d).st_mtime)
+        except OSError:
+            pass
+    rec.modified_unix = max(mtimes) if mtimes else None
+    body = None
+    if fmt.MANIFEST in ents:
+        try:
+            body = read_manifest(storage, d, step=step)  # None: removed since the listing
+        except CorruptCheckpointError as e:
+            rec.state, rec.error = "corrupt", str(e)
+        except StorageError as e:
+            rec.state, rec.error = "corrupt", f"cannot read the manifest: {e}"
+    committed_sid = body.get("save_id") if body is not None else None
+    for n, (_, mtime) in ents.items():
+        if n.startswith(fmt.INFLIGHT_PREFIX):
+            if n == f"{fmt.INFLIGHT_PREFIX}{committed_sid}":  # that save committed: debris
+                rec.leftovers.append(n)
+                continue
+            t = marker_time(storage, f"{d}/{n}")
+            rec.inflight_since = t if rec.inflight_since is None else max(rec.inflight_since, t)
+        elif ".tmp-" in n and (mtime is None or now - mtime >= grace):
+            rec.leftovers.append(n)  # a temporary file of an interrupted publish
+    if rec.state == "corrupt":
+        return rec
+    if body is not None:
+        rec.state = "committed"
+        rec.created_unix = body.get("created_unix")
+        rec.world_size = body.get("world_size")
+        rec.save_id = body.get("save_id")
+        rec.tensors = len(body.get("tensors", {}))
+        rec.files = len(body.get("files", {}))
+        rec.checksum = "unverified"
+        if f"{VERIFIED_PREFIX}{rec.save_id}" in ents:
+            rec.checksum = "verified"
+            doc = read_small_json(storage, f"{d}/{VERIFIED_PREFIX}{rec.save_id}") or {}
+            rec.verified_unix = doc.get("verified_unix")
+        elif f"{VERIFY_FAILED_PREFIX}{rec.save_id}" in ents:
+            rec.checksum = "failed"
+            doc = read_small_json(storage, f"{d}/{VERIFY_FAILED_PREFIX}{rec.save_id}") or {}
+            rec.verified_unix = doc.get("verified_unix")
+        return rec
+    recent_marker = rec.inflight_since is not None and now - rec.inflight_since < grace
+    recent_file = rec.modified_unix is not None and now - rec.modified_unix < grace
+    if recent_marker or recent_file:
+        rec.state = "writing"
+    rec.created_unix = rec.inflight_since or None
+    return rec
+
+
+def describe_steps(root: str | Storage, *, grace: float = INFLIGHT_GRACE_S,
+                   now: float | None = None) -> list[StepRecord]:
+    """Every step directory under ``root``, ascending; [] for an empty or missing root.
+
+    Raises StorageError when the root cannot be listed. A damaged manifest does not raise: the
+    step is reported with state "corrupt" and the reason in ``error``.
+    """
+    storage = as_storage(root)
+    now = time.time() if now is None else now
+    recs = [_describe_one(storage, s, d, now, grace) for s, d in list_steps(storage)]
+    committed = [r for r in recs if r.committed]
+    if committed:
+        committed[-1].latest = True
+    return recs
+
+
+def newest_committed(root: str | Storage, *, skipped: list | None = None
+                     ) -> tuple[int, str, dict]:
+    """(step, step directory, manifest body) of what a resume loads: the newest step with a
+    valid manifest (the engine's rule, :func:`fastckpt.reader.find_step`; newer steps with a
+    damaged manifest are skipped and their errors appended to ``skipped``). Raises
+    CheckpointNotFoundError when there is none and CorruptCheckpointError when every manifest
+    is damaged."""
+    return find_step(as_storage(root), skipped=skipped)
+
+
+def step_data_bytes(body: dict) -> int:
+    """Bytes of shard data a committed step holds (the sum of its files' sizes)."""
+    return sum(int(f.get("size", 0)) for f in body.get("files", {}).values())
+
+
+def not_found_hint(storage: Storage) -> str:
+    """Why there is no committed step, for an error message."""
+    hint = root_hint(storage)
+    if hint is not None:
+        return hint
+    try:
+        recs = describe_steps(storage)
+    except StorageError:
+        return ""
+    if not recs:
+        return "no step directories"
+    states: dict[str, int] = {}
+    for r in recs:
+        states[r.state] = states.get(r.state, 0) + 1
+    return ", ".join(f"{n} {s}" for s, n in sorted(states.items()))
