@@ -17,24 +17,15 @@ import time
 
 import pytest
 
-from fastckpt import cli
 from fastckpt.bench import common as C
 from fastckpt.bench import state as S
 from fastckpt.bench import storage as B
 from fastckpt.bench.record import read_bench
 from fastckpt.tools import sizes
+from tests.clirun import call
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = sorted(n for n in os.listdir(os.path.join(REPO, "benchmarks")) if n.endswith(".py"))
-
-
-def call(*args: str, capsys) -> tuple[int, str, str]:
-    """Run the CLI in-process; (exit code, stdout, stderr)."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as ei:
-        cli.main(list(args))
-    out, err = capsys.readouterr()
-    return ei.value.code or 0, out, err
 
 
 def _script(name: str):

@@ -25,9 +25,9 @@ import torch
 import xxhash
 
 import fastckpt
-from fastckpt import cli
 from fastckpt.manifest import schema as fmt
 from fastckpt import tools
+from tests.clirun import call
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FASTCKPT = (shutil.which("fastckpt", path=os.path.dirname(sys.executable))
@@ -108,15 +108,6 @@ def _make_sharded(root: str, step: int = 7) -> str:
     with open(os.path.join(d, fmt.MANIFEST), "wb") as f:
         f.write(fmt.encode_manifest(body))
     return d
-
-
-def call(*args: str, capsys) -> tuple[int, str, str]:
-    """Run the CLI in-process (same entry point as the script); (exit code, stdout, stderr)."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as ei:
-        cli.main(list(args))
-    out, err = capsys.readouterr()
-    return ei.value.code or 0, out, err
 
 
 # ---------------------------------------------------------------------------------- fixtures

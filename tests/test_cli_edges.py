@@ -11,16 +11,8 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt import cli
 from fastckpt.manifest import schema as fmt
-
-
-def call(*args: str, capsys) -> tuple[int, str, str]:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as ei:
-        cli.main(list(args))
-    out, err = capsys.readouterr()
-    return ei.value.code or 0, out, err
+from tests.clirun import call
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt import cli, tools
+from fastckpt import tools
 from fastckpt.manifest import schema as fmt
 from fastckpt.engine.load import load_into
 from fastckpt.errors import CorruptCheckpointError, UnsupportedStateError, WriterLockedError
@@ -29,6 +29,7 @@ from fastckpt.manifest.discovery import find_step
 from fastckpt.storage import LocalStorage
 from tests import distributed
 from tests.crafted import guarded, outside_calls, read_doc, write_doc, write_raw
+from tests.clirun import call
 
 BIG = 1 << 19  # float32 elements: 2 MiB, read straight into its destination when in phase
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,14 +39,6 @@ def _state(step: int = 1) -> dict:
     g = torch.Generator().manual_seed(step)
     return {"big": torch.randn(BIG, generator=g), "small": torch.randn(3, 5, generator=g),
             "step": step}
-
-
-def _call(*args: str, capsys) -> tuple[int, str, str]:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as ei:
-        cli.main(list(args))
-    out, err = capsys.readouterr()
-    return ei.value.code or 0, out, err
 
 
 def _chunk(doc: dict, fqn: str) -> dict:
@@ -93,7 +86,7 @@ def test_verify_never_writes_or_deletes_outside_the_root(tmp_path, capsys):
     os.makedirs(os.path.join(d, ".verified-q"))
     os.makedirs(os.path.join(d, ".verify-failed-q"))
     with outside_calls(root) as seen:
-        rc, out, err = _call("verify", root, "--step", "1", capsys=capsys)
+        rc, out, err = call("verify", root, "--step", "1", capsys=capsys)
     assert victim.read_text() == "precious"
     assert rc == 1 and "save_id" in out + err and "manifest.json" in out + err
     assert not [s for s in seen if "victim" in s[1]], seen
@@ -122,7 +115,7 @@ def test_file_names_outside_the_step_are_never_read(tmp_path, native, capsys):
     with outside_calls(root) as seen:
         with pytest.raises(CorruptCheckpointError, match="file name") as ei:
             fastckpt.load(dest, root, native="off")
-        rc, out, err = _call("verify", root, "--json", capsys=capsys)
+        rc, out, err = call("verify", root, "--json", capsys=capsys)
     assert "secret" in str(ei.value) and not torch.equal(dest["small"], torch.full((3, 5), 42.0))
     assert rc == 1 and "secret" in out + err
     assert not [s for s in seen if "secret" in s[1]], seen
@@ -137,7 +130,7 @@ def test_gc_does_not_follow_a_symlinked_step(tmp_path, capsys):
     link = os.path.join(root, fmt.step_dirname(0))
     os.symlink(os.path.join(other, fmt.step_dirname(5)), link)
     before = sorted(os.listdir(os.path.join(other, fmt.step_dirname(5))))
-    rc, out, _ = _call("gc", root, "--keep", "1", "--yes", "--json", capsys=capsys)
+    rc, out, _ = call("gc", root, "--keep", "1", "--yes", "--json", capsys=capsys)
     assert rc == 0 and json.loads(out)["removed"] == [1]
     assert sorted(os.listdir(os.path.join(other, fmt.step_dirname(5)))) == before
     assert fastckpt.load(_state(0), other) == 5
@@ -381,7 +374,7 @@ def test_gc_keeps_a_step_directory_a_save_just_created(root, capsys):
     os.makedirs(os.path.join(root, fmt.step_dirname(2)))  # makedirs done, marker not yet
     plan = {a.record.step: a for a in tools.plan_gc(root, 1)}
     assert not plan[2].remove and plan[2].record.state == "writing"
-    rc, out, _ = _call("gc", root, "--keep", "1", "--yes", "--json", capsys=capsys)
+    rc, out, _ = call("gc", root, "--keep", "1", "--yes", "--json", capsys=capsys)
     assert rc == 0 and json.loads(out)["removed"] == []
     assert os.path.isdir(os.path.join(root, fmt.step_dirname(2)))
 
@@ -483,19 +476,19 @@ def _bad_dtype(root):
     (_no_version, "format_version"), (_bad_dtype, "float128")])
 def test_one_bad_step_never_stops_the_tools(tmp_path, capsys, make_bad, says):
     root = _root_with_bad_step_3(tmp_path, make_bad)
-    rc, out, err = _call("ls", root, "--json", capsys=capsys)
+    rc, out, err = call("ls", root, "--json", capsys=capsys)
     assert rc == 0, err
     states = {s["step"]: (s["state"], s["error"]) for s in json.loads(out)["steps"]}
     assert states[1][0] == states[2][0] == "committed" and states[3][0] == "corrupt"
     assert says in states[3][1] and fmt.step_dirname(3) in states[3][1]
     assert "newer" not in states[3][1]
-    rc, out, err = _call("resume", root, capsys=capsys)
+    rc, out, err = call("resume", root, capsys=capsys)
     assert rc == 0 and out.split()[0] == "2" and fmt.step_dirname(3) in err
-    rc, out, err = _call("verify", root, "--step", "3", capsys=capsys)
+    rc, out, err = call("verify", root, "--step", "3", capsys=capsys)
     assert rc == 1 and fmt.step_dirname(3) in out + err and "Traceback" not in err
-    rc, out, err = _call("inspect", root, "--step", "3", capsys=capsys)
+    rc, out, err = call("inspect", root, "--step", "3", capsys=capsys)
     assert rc == 1 and fmt.step_dirname(3) in out + err
-    rc, out, err = _call("gc", root, "--keep", "1", "--yes", "--json", capsys=capsys)
+    rc, out, err = call("gc", root, "--keep", "1", "--yes", "--json", capsys=capsys)
     assert rc == 0 and json.loads(out)["removed"] == [1]
     assert fastckpt.load(_state(0), root) == 2
 
@@ -565,7 +558,7 @@ def test_failed_latest_write_does_not_skip_cleanup(root, capsys):
     marker = os.path.join(d2, f"{fmt.INFLIGHT_PREFIX}{sid}")
     with open(marker, "w") as f:
         json.dump({"save_id": sid, "created_unix": time.time()}, f)
-    rc, out, _ = _call("gc", root, "--keep", "1", "--yes", "--json", capsys=capsys)
+    rc, out, _ = call("gc", root, "--keep", "1", "--yes", "--json", capsys=capsys)
     assert rc == 0 and not os.path.exists(marker)
     assert fastckpt.load(_state(0), root) == 2
 

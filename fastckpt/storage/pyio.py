@@ -137,6 +137,21 @@ def _os_error(err: int, what: str, path: str, offset: int | None = None) -> OSEr
     return OSError(err, msg)
 
 
+def _open(path: str, flags: int, direct: bool) -> tuple[int, bool]:
+    """Open with O_DIRECT when ``direct`` and the file system takes it (EINVAL: without);
+    (fd, whether O_DIRECT is on). Errors name the path."""
+    if direct:
+        try:
+            return os.open(path, flags | _O_DIRECT, 0o644), True
+        except OSError as e:
+            if e.errno != _errno.EINVAL:
+                raise _os_error(e.errno, "opening", path) from None
+    try:
+        return os.open(path, flags, 0o644), False
+    except OSError as e:
+        raise _os_error(e.errno, "opening", path) from None
+
+
 def _eof_error(path: str, nbytes: int, file_offset: int, size: int) -> EOFError:
     return EOFError(f"{path}: expected {nbytes} bytes at offset {file_offset}, file ended at {size}")
 
@@ -247,19 +262,7 @@ class PythonBackend:
         # never through a link; a FIFO in place of a shard must not block the open; then
         # only a regular file is read (as the native backend)
         flags = os.O_RDONLY | _O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK
-        fd = -1
-        if use_direct:
-            try:
-                fd = os.open(path, flags | _O_DIRECT)
-            except OSError as e:
-                if e.errno != _errno.EINVAL:
-                    raise _os_error(e.errno, "opening", path) from None
-                use_direct = False
-        if fd < 0:
-            try:
-                fd = os.open(path, flags)
-            except OSError as e:
-                raise _os_error(e.errno, "opening", path) from None
+        fd, use_direct = _open(path, flags, use_direct)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -352,19 +355,7 @@ class PythonBackend:
                 raise ValueError("hash range with a null address or negative length")
         use_direct = bool(direct and _O_DIRECT and aligned and nbytes > 0)
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC
-        fd = -1
-        if use_direct:
-            try:
-                fd = os.open(path, flags | _O_DIRECT, 0o644)
-            except OSError as e:
-                if e.errno != _errno.EINVAL:
-                    raise _os_error(e.errno, "opening", path) from None
-                use_direct = False
-        if fd < 0:
-            try:
-                fd = os.open(path, flags, 0o644)
-            except OSError as e:
-                raise _os_error(e.errno, "opening", path) from None
+        fd, use_direct = _open(path, flags, use_direct)
         try:
             if nbytes > 0:
                 try:
