@@ -20,7 +20,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
-python -m pip install -q --upgrade pip >/dev/null
+python -m pip install -q --upgrade pip >.venv/pip-upgrade.log 2>&1 || cat .venv/pip-upgrade.log
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
 mkdir -p .venv/log
 python -m pip install -q -e ".[test]" >.venv/log/pip-install.log 2>&1 || {
