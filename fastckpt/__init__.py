@@ -14,7 +14,8 @@ __version__ = "0.1.0"
 import importlib
 
 from .errors import (
-    CheckpointNotFoundError, CommitTimeoutError, CorruptCheckpointError, FastCkptError,
+    CheckpointNotFoundError, CollectiveTimeoutError, CommitTimeoutError, CorruptCheckpointError,
+    FastCkptError,
     NotRegularFileError, SaveFailedError, StateMismatchError, StepRemovedError, StorageError,
     UnsupportedStateError, WriterLockedError)
 
@@ -22,13 +23,16 @@ from .errors import (
 # the command-line tools stay quick (PEP 562).
 _LAZY = {
     "Checkpointer": ".checkpointer", "SaveHandle": ".engine.handle", "save": ".checkpointer",
-    "load": ".checkpointer", "CheckpointOptions": ".options", "FastCkptReader": ".engine.reader",
+    "load": ".checkpointer", "read": ".checkpointer", "CheckpointOptions": ".options",
+    "FastCkptReader": ".engine.reader", "RNGState": ".rng",
 }
 
 __all__ = [
-    "Checkpointer", "SaveHandle", "CheckpointOptions", "FastCkptReader", "save", "load",
+    "Checkpointer", "SaveHandle", "CheckpointOptions", "FastCkptReader", "RNGState", "save",
+    "load", "read",
     "FastCkptError", "UnsupportedStateError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "StateMismatchError", "StorageError", "SaveFailedError", "CommitTimeoutError",
+    "CollectiveTimeoutError",
     "NotRegularFileError", "StepRemovedError", "WriterLockedError", "__version__",
 ]
 

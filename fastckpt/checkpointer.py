@@ -22,7 +22,7 @@ from .engine.core import Engine
 from .engine.handle import SaveHandle
 from .storage import Storage
 
-__all__ = ["Checkpointer", "SaveHandle", "save", "load"]
+__all__ = ["Checkpointer", "SaveHandle", "save", "load", "read"]
 
 
 class Checkpointer(Engine):
@@ -107,6 +107,16 @@ def save(state: dict, path: str | os.PathLike, *, step: int, on_preempt: bool = 
 
 def load(state: dict, path: str | os.PathLike, *, step: int | None = None,
          **options: Any) -> int:
-    """Load ``step`` (default: newest committed) from ``path`` into ``state``; return the step."""
+    """Load ``step`` (default: newest committed) from ``path`` into ``state`` in place; return
+    the step. ``strict=True`` (default): a key the state has and the checkpoint lacks, or the
+    reverse, is an error naming it; ``strict=False`` leaves such keys out. Keys are never added
+    to ``state``: :func:`read` returns a whole checkpoint."""
     with Checkpointer(path, **options) as ck:
         return ck.load(state, step=step)
+
+
+def read(path: str | os.PathLike, *, step: int | None = None, **options: Any) -> dict:
+    """The whole checkpoint of ``step`` (default: newest committed) under ``path`` as a new
+    dict of tensors and plain values, as saved (see :meth:`Engine.read`)."""
+    with Checkpointer(path, **options) as ck:
+        return ck.read(step=step)

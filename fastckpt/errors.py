@@ -19,6 +19,7 @@ __all__ = [
     "WriterLockedError",
     "SaveFailedError",
     "CommitTimeoutError",
+    "CollectiveTimeoutError",
 ]
 
 
@@ -82,12 +83,16 @@ class WriterLockedError(FastCkptError):
         super().__init__(message, **kw)
 
 
-class CommitTimeoutError(FastCkptError, TimeoutError):
-    """Ranks did not all report within the commit deadline; names the missing ranks."""
+class CollectiveTimeoutError(FastCkptError, TimeoutError):
+    """Ranks did not all arrive at an exchange within its deadline; names the missing ranks."""
 
     def __init__(self, message: str, *, missing_ranks: list[int] | None = None, **kw) -> None:
         self.missing_ranks = list(missing_ranks or [])
         super().__init__(message, **kw)
+
+
+class CommitTimeoutError(CollectiveTimeoutError):
+    """Ranks did not all report within the commit deadline; names the missing ranks."""
 
 
 class SaveFailedError(FastCkptError):

@@ -12,6 +12,14 @@ class CheckpointOptions:
 
     keep_last: after each commit keep only the newest N committed steps (None: keep all).
     commit_timeout_s: the deadline for all ranks to report and for the commit decision.
+    collective: True (default): ``save``/``load`` are collective over the default process group.
+        False: this process saves and loads alone (as rank 0 of 1) whatever the process group:
+        for a state that is replicated and saved by one process (Lightning's DDP strategy calls
+        its CheckpointIO on rank 0 only). Each process then writes its own full checkpoint.
+    plan_timeout_s: how long a rank waits at the exchanges before the writes (the save plan,
+        the first save's claim of the root, the load's agreement) for every other rank; past
+        it, CollectiveTimeoutError names the ranks that did not arrive (a rank that never
+        called, or died). FASTCKPT_PLAN_TIMEOUT_S.
     lease_ttl_s: the writer lease of the root (fastckpt/lease.py) expires this long after its
         holder last renewed it (every lease_ttl_s / 4); a crashed holder's lease is taken over
         at once on the same host or by a later run of the same job, else after this long.
@@ -51,6 +59,8 @@ class CheckpointOptions:
     """
 
     keep_last: int | None = None
+    collective: bool = True
+    plan_timeout_s: float = 120.0
     lease_ttl_s: float = 60.0
     commit_timeout_s: float = 600.0
     native: str = "auto"
@@ -76,6 +86,8 @@ class CheckpointOptions:
             raise ValueError(f"keep_last must be a positive int or None, got {self.keep_last!r}")
         if not (self.lease_ttl_s >= 1):
             raise ValueError(f"lease_ttl_s must be >= 1 second, got {self.lease_ttl_s!r}")
+        if not (self.plan_timeout_s > 0):
+            raise ValueError(f"plan_timeout_s must be > 0, got {self.plan_timeout_s!r}")
         if not (self.commit_timeout_s > 0):
             raise ValueError(f"commit_timeout_s must be > 0, got {self.commit_timeout_s!r}")
         if self.staging_cap_bytes is not None and self.staging_cap_bytes < 0:
@@ -111,7 +123,7 @@ def options_from_env(base: CheckpointOptions | None = None,
     """Apply FASTCKPT_* environment variables on top of ``base``.
 
     FASTCKPT_NATIVE=auto|require|off, FASTCKPT_DIRECT_IO=0|1, FASTCKPT_ZERO_COPY=0|1,
-    FASTCKPT_COMMIT_TIMEOUT_S=seconds,
+    FASTCKPT_COMMIT_TIMEOUT_S=seconds, FASTCKPT_PLAN_TIMEOUT_S=seconds,
     FASTCKPT_GRACE_S=seconds, FASTCKPT_PREEMPT_SIGNALS=SIGTERM,SIGUSR1, FASTCKPT_EVENT_LOG=dir.
     """
     env = os.environ if environ is None else environ
@@ -132,6 +144,8 @@ def options_from_env(base: CheckpointOptions | None = None,
         changes["event_log"] = env["FASTCKPT_EVENT_LOG"]
     if "FASTCKPT_COMMIT_TIMEOUT_S" in env:
         changes["commit_timeout_s"] = float(env["FASTCKPT_COMMIT_TIMEOUT_S"])
+    if "FASTCKPT_PLAN_TIMEOUT_S" in env:
+        changes["plan_timeout_s"] = float(env["FASTCKPT_PLAN_TIMEOUT_S"])
     return base.with_changes(**changes) if changes else base
 
 

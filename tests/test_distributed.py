@@ -45,7 +45,11 @@ def _roundtrip(rank, world, root):
                         "bf16": torch.zeros(7, dtype=torch.bfloat16),
                         "flag": torch.tensor(False), "scalar": torch.tensor(0.0, dtype=torch.float64),
                         "strided": torch.zeros(4, 3)},
-              "cfg": {}, "data": {}}
+              # the keys to load (plain values are replaced by the saved ones; keys are never
+              # added to the caller's dicts: strict loading names any difference)
+              "cfg": {"lr": None, "name": None, "pair": None, "inf": None, 7: None,
+                      "nested": None},
+              "data": {"rank": None, "pos": None}}
     got = fastckpt.load(state2, root)
     return {"step": got, "want": full_state(m, opt), "got": full_state(m2, opt2),
             "lr": opt2.param_groups[0]["lr"], "extra": state2["extra"], "cfg": state2["cfg"],

@@ -37,6 +37,7 @@ ALLOWED = {
     "cli": {"errors", "options", "storage", "manifest", "retention", "tools", "bench",
             "bench.record", "__init__"},
     "testing": {"storage", "manifest", "options"},
+    "rng": set(),
     "__init__": {"errors"},
 }
 

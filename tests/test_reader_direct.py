@@ -1,6 +1,7 @@
 """Loads that read large chunks straight into their destination tensors (no read buffer, no
 copy): when the destination's address is in phase with the chunk's file offset, and for the
-tensors a load allocates itself (placed in phase)."""
+tensors a load allocates itself (placed in phase). Loads through the page cache (small or
+cached checkpoints) are in tests/test_load_paths.py."""
 
 from __future__ import annotations
 
@@ -13,6 +14,15 @@ import torch
 import fastckpt
 from fastckpt.storage import native as _native
 from fastckpt.engine import reader as R
+
+
+@pytest.fixture(autouse=True)
+def around_the_page_cache(monkeypatch):
+    """These tests are about reads with O_DIRECT, which a load uses for a checkpoint over
+    SMALL_LOAD bytes whose files are not in the page cache: make every load one of those."""
+    from fastckpt.storage.local import LocalStorage
+    monkeypatch.setattr(R, "SMALL_LOAD", 0)
+    monkeypatch.setattr(LocalStorage, "cached", lambda self, path: False)
 
 
 @pytest.fixture(params=["off", "require"])

@@ -43,7 +43,7 @@ def _fresh_state():
     state = {"model": m, "optim": opt, "step": 0,
              "extra": {"bf16": torch.zeros(7, dtype=torch.bfloat16),
                        "ints": torch.zeros(5, dtype=torch.int16)},
-             "cfg": {}}
+             "cfg": {"lr": None, "name": None, "pair": None, "inf": None}}
     return m, opt, state
 
 

@@ -81,11 +81,12 @@ class Engine:
                                         storage_options=storage_options)
         self.root = root if isinstance(root, str) else (
             str(root) if not isinstance(root, Storage) else self.storage.root)
-        self.rank = _dist.rank()
-        self.world_size = _dist.world_size()
+        self.group = _dist.Group(collective=self.options.collective, name=self.storage.root)
+        self.rank = self.group.rank
+        self.world_size = self.group.world_size
         self._pool = StagingPool()
         self._stager: _device.DeviceStager | None = None  # CUDA states only
-        self._writer = Writer(self.storage, self.options, self.rank, self._pool)
+        self._writer = Writer(self.storage, self.options, self.group, self._pool)
         self._last: SaveHandle | None = None
         self._last_job: Job | None = None
         self._closed = False
@@ -202,18 +203,22 @@ class Engine:
         specs: list = []
         tree: Any = None
         data: dict = {}
+        aliases = 0
         try:
             flat = flatten(state)
-            local, data = local_chunks(flat.tensors)
+            local, data = local_chunks(flat.tensors, digests=self.world_size > 1)
             specs = [tuple(s.__dict__.values()) for s in local]
             tree = flat.skeleton
+            aliases = len(flat.aliases)
             json.dumps(tree, allow_nan=False)
         except (UnsupportedStateError, ValueError, TypeError) as e:
             if self.world_size == 1:
                 raise
             error = str(e)
-        gathered = _dist.all_gather_object(
-            {"save_id": uuid.uuid4().hex[:12], "specs": specs, "tree": tree, "error": error})
+        gathered = self.group.gather(
+            {"save_id": uuid.uuid4().hex[:12], "specs": specs, "tree": tree, "error": error,
+             "aliases": aliases},
+            timeout_s=self.options.plan_timeout_s, what=f"save of step {step}: the plan exchange")
         return make_plan(gathered, self.rank, step), data
 
     def _claim_root(self) -> None:
@@ -230,8 +235,9 @@ class Engine:
             if self.world_size == 1:
                 raise
             error = e
-        statuses = _dist.all_gather_object(
-            {"setup": None if error is None else (type(error).__name__, str(error))})
+        statuses = self.group.gather(
+            {"setup": None if error is None else [type(error).__name__, str(error)]},
+            timeout_s=self.options.plan_timeout_s, what="first save: claiming the root")
         raise_setup_errors(statuses, error)
         self._claimed = True
 
@@ -332,7 +338,17 @@ class Engine:
         self._check_open()
         self._drain_previous()
         return load_into(self.storage, state, step=step, verify=self.options.verify,
-                         strict=self.options.strict if strict is None else strict)
+                         strict=self.options.strict if strict is None else strict,
+                         group=self.group, timeout_s=self.options.plan_timeout_s)[0]
+
+    def read(self, *, step: int | None = None) -> dict:
+        """The whole checkpoint of ``step`` (default: the newest committed) as a new dict:
+        tensors (full, allocated here; per-rank values: this rank's) and plain values, as saved
+        (modules and optimizers as their state dicts). For converters and tools; collective."""
+        self._check_open()
+        self._drain_previous()
+        return load_into(self.storage, None, step=step, verify=self.options.verify,
+                         group=self.group, timeout_s=self.options.plan_timeout_s)[1]
 
     def resume(self, state: dict) -> int | None:
         """Load the newest committed checkpoint into ``state``; its step, or None if none."""

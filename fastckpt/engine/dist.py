@@ -11,11 +11,15 @@ Two channels:
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+import zlib
 from typing import Any
 
 import torch.distributed as dist
+
+from ..errors import CollectiveTimeoutError
 
 
 def initialized() -> bool:
@@ -64,12 +68,13 @@ class Exchange:
     process). Values are bytes.
     """
 
-    def __init__(self, prefix: str = "fastckpt", store: Any = None) -> None:
+    def __init__(self, prefix: str = "fastckpt", store: Any = None, *,
+                 local: bool = False) -> None:
         self._local: dict[str, bytes] | None = None
         self._cond = threading.Condition()
         if store is not None:
             self._store = dist.PrefixStore(prefix, store)
-        elif initialized():
+        elif initialized() and not local:
             from torch.distributed.distributed_c10d import _get_default_store
             self._store = dist.PrefixStore(prefix, _get_default_store())
         else:
@@ -140,3 +145,65 @@ class Exchange:
                 self._local[key] = str(v).encode()  # type: ignore[index]
                 return v
         return int(self._store.add(key, amount))
+
+
+class Group:
+    """The ranks one Checkpointer coordinates with (thread-safe for ``gather`` calls made in
+    the same order on every rank, from one thread).
+
+    ``collective=True``: the default process group, when one is initialised (else this process
+    alone). ``collective=False``: this process alone whatever the process group (rank 0 of 1):
+    for a state that is replicated and saved or loaded by one process, e.g. Lightning's DDP,
+    which calls its CheckpointIO on rank 0 only.
+
+    ``gather`` replaces ``all_gather_object`` on the engine's paths: every rank publishes a JSON
+    value in the c10d store and waits for the others' until a deadline, then raises
+    :class:`~fastckpt.errors.CollectiveTimeoutError` naming the ranks that did not arrive (a
+    rank that never calls, a rank that died), instead of blocking for ever. ``name`` keys the
+    exchanges of this group apart from other Checkpointers' (``name`` + a per-name count, the
+    same on every rank when every rank creates its Checkpointers in the same order).
+    """
+
+    _counts: dict[str, int] = {}
+    _counts_lock = threading.Lock()
+
+    def __init__(self, *, collective: bool = True, name: str = "") -> None:
+        self.collective = bool(collective) and initialized()
+        self.rank = rank() if self.collective else 0
+        self.world_size = world_size() if self.collective else 1
+        key = f"{zlib.crc32(name.encode()):08x}"
+        with Group._counts_lock:
+            n = Group._counts.get(key, 0)
+            Group._counts[key] = n + 1
+        self._prefix = f"gather/{key}.{n}"
+        self._seq = 0
+        self._exchange: Exchange | None = None
+
+    @property
+    def exchange(self) -> "Exchange":
+        """The deadline-bounded key/value exchange of this group (created on first use)."""
+        if self._exchange is None:
+            self._exchange = Exchange(local=not self.collective)
+        return self._exchange
+
+    def gather(self, value: Any, *, timeout_s: float, what: str) -> list[Any]:
+        """Every rank's ``value`` (JSON-able), in rank order; CollectiveTimeoutError after
+        ``timeout_s`` naming the ranks that did not arrive."""
+        if self.world_size == 1:
+            return [value]
+        self._seq += 1
+        base = f"{self._prefix}/{self._seq}"
+        ex = self.exchange
+        ex.set(f"{base}/{self.rank}", json.dumps(value).encode())
+        keys = [f"{base}/{r}" for r in range(self.world_size)]
+        found, missing = ex.wait(keys, time.monotonic() + timeout_s)
+        if missing:
+            ranks = [r for r, k in enumerate(keys) if k in missing]
+            raise CollectiveTimeoutError(
+                f"{what}: rank(s) {ranks} did not arrive within {timeout_s:g} s (every rank must "
+                "call it: a rank that does not, or that died, is named here; for a state saved "
+                "by one process, use collective=False)", missing_ranks=ranks, rank=self.rank)
+        out = [json.loads(found[k]) for k in keys]
+        if ex.add(f"{base}/read", 1) >= self.world_size:  # the last reader cleans up
+            ex.delete(keys + [f"{base}/read"])
+        return out

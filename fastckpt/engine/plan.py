@@ -30,6 +30,7 @@ class ChunkSpec:
     sizes: tuple
     nbytes: int
     dtensor: bool
+    digest: str | None = None  # regular tensors, more than one rank: see plan.digest
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class SavePlan:
     tensors: dict  # fqn -> {"dtype", "shape", "dtensor"}
     trees: list  # per-rank skeletons
     pieces: tuple = ()  # this rank's shard files (staging.Piece), set by Checkpointer.save
+    #: 2 when the manifest uses what format 1 readers do not know (ties, per-rank tensors)
+    format_version: int = 1
 
     @property
     def file_size(self) -> int:
@@ -48,8 +51,41 @@ class SavePlan:
         return sum(p.size for p in self.pieces)
 
 
-def local_chunks(tensors: dict[str, torch.Tensor]) -> tuple[list[ChunkSpec], dict]:
-    """This rank's chunks and, per (fqn, offsets), the local tensor holding the data."""
+#: regular (non-DTensor) tensors up to this size are hashed whole to find those that differ
+#: between ranks; larger ones by three 8 KiB samples (start, middle, end rows)
+DIGEST_FULL_MAX = 1 << 20
+_SAMPLE = 8 << 10
+
+
+def digest(t: torch.Tensor) -> str:
+    """A content fingerprint of a regular tensor, compared across the ranks that hold it: equal
+    everywhere means replicated (written once), else the tensor is per rank (each writes its
+    own). Whole for tensors up to DIGEST_FULL_MAX bytes (RNG states, counters, small buffers);
+    sampled above that (a per-rank tensor that differs only outside the samples is taken as
+    replicated: use a DTensor or a per-rank key for large per-rank data)."""
+    import xxhash
+    t = t.detach()
+    h = xxhash.xxh3_64()
+    h.update(repr((tuple(t.shape), str(t.dtype))).encode())
+    if t.numel() * t.element_size() <= DIGEST_FULL_MAX:
+        parts = [t]
+    else:
+        rows = sorted({0, t.shape[0] // 2, t.shape[0] - 1}) if t.dim() else []
+        parts = [t[i] for i in rows] or [t]
+    for part in parts:
+        flat = part.reshape(-1)
+        if part is not t:
+            flat = flat[:max(1, _SAMPLE // max(1, t.element_size()))]
+        b = flat.to("cpu").contiguous().view(torch.uint8) if flat.numel() else None
+        if b is not None:
+            h.update(b.numpy().tobytes())
+    return h.hexdigest()
+
+
+def local_chunks(tensors: dict[str, torch.Tensor], *, digests: bool = False
+                 ) -> tuple[list[ChunkSpec], dict]:
+    """This rank's chunks and, per (fqn, offsets), the local tensor holding the data; with
+    ``digests`` (more than one rank) each regular tensor's spec carries :func:`digest`."""
     specs, data = [], {}
     for fqn, t in tensors.items():
         dtype = dtype_name(t.dtype)
@@ -71,7 +107,8 @@ def local_chunks(tensors: dict[str, torch.Tensor]) -> tuple[list[ChunkSpec], dic
             # they lie. Materialise it (a new tensor: the user's stays as it is)
             local = local.resolve_conj().resolve_neg()
         nbytes = local.numel() * local.element_size()
-        specs.append(ChunkSpec(fqn, dtype, shape, offsets, sizes, nbytes, is_dtensor(t)))
+        dig = digest(local) if digests and not is_dtensor(t) else None
+        specs.append(ChunkSpec(fqn, dtype, shape, offsets, sizes, nbytes, is_dtensor(t), dig))
         data[(fqn, offsets)] = local
     return specs, data
 
@@ -85,10 +122,13 @@ def make_plan(gathered: list[dict], rank: int, step: int) -> SavePlan:
         raise UnsupportedStateError(f"rank {r} cannot save its state: {msg}{more}")
     tensors: dict[str, dict] = {}
     holders: dict[tuple, list[int]] = {}
+    digests: dict[tuple, set] = {}
     spec_of: dict[tuple, ChunkSpec] = {}
     for r, g in enumerate(gathered):
-        for s in g["specs"]:
-            s = ChunkSpec(*s)
+        for s in g["specs"]:  # tuples arrive as JSON lists
+            fqn, dtype, shape, offsets, sizes, nbytes, dtensor, dig = s
+            s = ChunkSpec(fqn, dtype, tuple(shape), tuple(offsets), tuple(sizes), nbytes,
+                          dtensor, dig)
             meta = {"dtype": s.dtype, "shape": list(s.shape), "dtensor": s.dtensor}
             prev = tensors.setdefault(s.fqn, meta)
             if prev != meta:
@@ -97,19 +137,27 @@ def make_plan(gathered: list[dict], rank: int, step: int) -> SavePlan:
                     f"rank {r}")
             key = (s.fqn, s.offsets)
             holders.setdefault(key, []).append(r)
-            spec_of[key] = s
+            digests.setdefault(key, set()).add(s.digest)
+            if r == rank or key not in spec_of:
+                spec_of[key] = s
+    # a regular tensor whose content differs between the ranks holding it (an RNG state, a
+    # per-rank buffer) is per rank: every holder writes its own, each rank loads its own back
+    per_rank = {key for key, ds in digests.items() if len(ds) > 1}
+    for fqn, _ in per_rank:
+        tensors[fqn]["per_rank"] = True
     load = [0] * len(gathered)
-    mine = []
+    mine = [spec_of[key] for key in per_rank if rank in holders[key]]
     # largest first, each to the least-loaded holder: replicated chunks are written once
-    for key in sorted(spec_of, key=lambda k: (-spec_of[k].nbytes, k[0], k[1])):
+    for key in sorted(set(spec_of) - per_rank, key=lambda k: (-spec_of[k].nbytes, k[0], k[1])):
         writer = min(holders[key], key=lambda r: (load[r], r))
         load[writer] += spec_of[key].nbytes
         if writer == rank:
             mine.append(spec_of[key])
     mine.sort(key=lambda s: (s.fqn, s.offsets))
+    v2 = bool(per_rank) or any(g.get("aliases") for g in gathered)
     return SavePlan(save_id=gathered[0]["save_id"], step=step, world_size=len(gathered),
                     my_chunks=tuple(mine), tensors=tensors,
-                    trees=[g["tree"] for g in gathered])
+                    trees=[g["tree"] for g in gathered], format_version=2 if v2 else 1)
 
 
 def raise_setup_errors(gathered: list[dict], mine: BaseException | None) -> None:

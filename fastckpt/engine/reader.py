@@ -27,7 +27,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..errors import CorruptCheckpointError, NotRegularFileError, StepRemovedError, StorageError
+from ..errors import (CorruptCheckpointError, NotRegularFileError, StateMismatchError,
+                      StepRemovedError, StorageError)
 from ..manifest import schema as fmt
 from ..manifest.discovery import find_step, is_missing, read_manifest
 from ..manifest.values import decode_value
@@ -35,6 +36,7 @@ from ..storage import Storage, open_storage
 from ..storage.native import get_backend
 from ..storage.pyio import _address, _raw_view, aligned_buffer
 from . import device as _device
+from . import dist as _dist
 from .dtypes import torch_dtype
 
 
@@ -48,8 +50,9 @@ class FastCkptReader(StorageReader):
     """
 
     def __init__(self, root: str | Storage, step: int | None = None, *, verify: bool = True,
-                 rank: int | None = None, body: dict | None = None,
-                 step_dir: str | None = None, storage_options: dict | None = None) -> None:
+                 rank: int | None = None, world_size: int | None = None,
+                 body: dict | None = None, step_dir: str | None = None,
+                 storage_options: dict | None = None) -> None:
         super().__init__()
         self.storage = (root if isinstance(root, Storage)
                         else open_storage(str(root), storage_options=storage_options))
@@ -60,8 +63,12 @@ class FastCkptReader(StorageReader):
         self.step_dir = step_dir
         self.body = body
         self.verify = verify
-        self.rank = rank
+        # values saved per rank are served to the rank that loads them: by default the
+        # caller's rank in the default process group
+        self.rank = _dist.rank() if rank is None else rank
+        self.world_size = _dist.world_size() if world_size is None else world_size
         self._checked_files: set[str] = set()
+        self._direct: bool | None = None  # decided at the first read (see _read_direct_io)
         #: what the last read_data read: chunks straight into their destination, span bytes
         self.read_stats: dict[str, int] = {}
 
@@ -78,22 +85,48 @@ class FastCkptReader(StorageReader):
             return False
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The manifest as DCP metadata: every tensor's chunks (a per-rank tensor: this rank's
+        copy only; a tied key: the chunks of the tensor it shares), and the plain values."""
         mpath = f"{self.step_dir}/{fmt.MANIFEST}"
         sd_meta: dict[str, Any] = {}
         storage_data: dict[MetadataIndex, Any] = {}
+        plain, aliases = self._plain_values_and_aliases()
         for fqn, t in self.body["tensors"].items():
             dtype = torch_dtype(t["dtype"], file=mpath)
-            chunks = []
-            for c in t["chunks"]:
-                chunks.append(ChunkStorageMetadata(offsets=torch.Size(c["offsets"]),
-                                                   sizes=torch.Size(c["sizes"])))
-                storage_data[MetadataIndex(fqn, torch.Size(c["offsets"]))] = (fqn, c)
-            sd_meta[fqn] = TensorStorageMetadata(properties=TensorProperties(dtype=dtype),
-                                                 size=torch.Size(t["shape"]), chunks=chunks)
-        for fqn, value in self._plain_values().items():
+            mine = t["chunks"]
+            if t.get("per_rank"):
+                self._check_same_world(f"tensor {fqn!r} holds a value per rank", mpath)
+                mine = [c for c in mine if c["rank"] == self.rank]
+            for name in [fqn] + aliases.get(fqn, []):
+                chunks = []
+                for c in mine:
+                    chunks.append(ChunkStorageMetadata(offsets=torch.Size(c["offsets"]),
+                                                       sizes=torch.Size(c["sizes"])))
+                    storage_data[MetadataIndex(name, torch.Size(c["offsets"]))] = (fqn, c)
+                sd_meta[name] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=dtype), size=torch.Size(t["shape"]),
+                    chunks=chunks)
+        for fqn, value in plain.items():
             sd_meta[fqn] = BytesStorageMetadata()
             storage_data[MetadataIndex(fqn)] = ("$bytes", value)
         return Metadata(state_dict_metadata=sd_meta, storage_data=storage_data)
+
+    def check_per_rank(self) -> None:
+        """StateMismatchError when this checkpoint holds values per rank (tensors or plain
+        values that differed between the saving ranks) and the world size differs."""
+        mpath = f"{self.step_dir}/{fmt.MANIFEST}"
+        for fqn, t in self.body["tensors"].items():
+            if t.get("per_rank"):
+                self._check_same_world(f"tensor {fqn!r} holds a value per rank", mpath)
+
+    def _check_same_world(self, what: str, mpath: str) -> None:
+        saved = self.body["world_size"]
+        if self.world_size != saved:
+            raise StateMismatchError(
+                f"{what} (values that differed between the {saved} saving ranks, such as an RNG "
+                f"state or a data position): it loads at world size {saved} only, not "
+                f"{self.world_size}; keep such values under a per-rank key to load elsewhere",
+                file=mpath, rank=self.rank)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
@@ -119,18 +152,20 @@ class FastCkptReader(StorageReader):
             fqn, c = entry
             target = planner.resolve_tensor(req).detach()
             by_chunk.setdefault((c["file"], int(c["offset"])), []).append((req, fqn, c, target))
-        # chunks that fill a CPU destination whose address is in phase with the chunk's file
-        # offset are read straight into it (no read buffer, no copy); the rest in spans
+        # chunks that fill a host destination (see _direct_ok) are read straight into it (no
+        # read buffer, no copy); the rest, and device (CUDA) destinations, in spans
+        backend = _device.default_backend()
         direct = [_Direct(f, off, reqs) for (f, off), reqs in by_chunk.items()
-                  if self._direct_ok(reqs)]
+                  if self._direct_ok(reqs) and not (backend is not None and any(
+                      backend.is_device(r[3]) for r in reqs))]
         for d in direct:
             del by_chunk[(d.file, d.start)]
         spans = _spans(by_chunk)
         self.read_stats = {"direct_chunks": len(direct),
                            "direct_bytes": sum(d.length for d in direct),
-                           "span_bytes": sum(sp.length for sp in spans)}
-        # device (CUDA) targets: pinned read buffers, non-blocking copies (see _device.py)
-        backend = _device.default_backend()
+                           "span_bytes": sum(sp.length for sp in spans),
+                           "direct_io": int(self._read_direct_io())}
+        # device targets: pinned read buffers, non-blocking copies (see engine/device.py)
         loader = None
         if backend is not None and any(backend.is_device(t) for reqs in by_chunk.values()
                                        for _, _, _, t in reqs):
@@ -176,34 +211,42 @@ class FastCkptReader(StorageReader):
     # -- helpers -------------------------------------------------------------------------------
     def _direct_ok(self, reqs: list) -> bool:
         """Whether a saved chunk can be read straight into its one destination: a whole,
-        contiguous CPU tensor of the same dtype and size, at least DIRECT_MIN bytes, whose
-        address has the same remainder modulo 4096 as the chunk's file offset (so all of it but
-        its first and last partial pages is read with O_DIRECT, without a buffer or a copy).
-        Zero-copy saves place chunks in phase with the saving process's tensors, which the
-        loading process's tensors usually share; tensors a load allocates are placed in phase."""
+        contiguous CPU tensor of the same dtype and size. Around the page cache (O_DIRECT) the
+        chunk must also be at least DIRECT_MIN bytes and the tensor's address have the same
+        remainder modulo 4096 as the chunk's file offset (so all of it but its first and last
+        partial pages is read with O_DIRECT, without a buffer or a copy): zero-copy saves place
+        chunks in phase with the saving process's tensors, which the loading process's tensors
+        usually share, and tensors a load allocates are placed in phase. Through the page cache
+        any such destination is read into directly (one copy, from the cache)."""
         if len(reqs) != 1:
             return False
         req, fqn, c, t = reqs[0]
         n = int(c["length"])
-        return (n >= DIRECT_MIN and t.device.type == "cpu" and t.is_contiguous()
+        if not (n > 0 and t.device.type == "cpu" and t.is_contiguous()
                 and not t.is_conj() and not t.is_neg() and t.numel() * t.element_size() == n
                 and list(t.shape) == list(c["sizes"])
                 and not any(req.storage_offsets) and list(req.lengths) == list(c["sizes"])
                 and t.dtype == torch_dtype(self.body["tensors"][fqn]["dtype"],
-                                      file=f"{self.step_dir}/{fmt.MANIFEST}")
-                and (t.data_ptr() - int(c["offset"])) % fmt.ALIGN == 0)
+                                           file=f"{self.step_dir}/{fmt.MANIFEST}")):
+            return False
+        if not self._read_direct_io():
+            return True
+        return n >= DIRECT_MIN and (t.data_ptr() - int(c["offset"])) % fmt.ALIGN == 0
 
     def _read_direct(self, d: "_Direct") -> int | None:
         """(reader thread) Read a chunk into its destination; its hash (None: not verifying)."""
         _, _, c, t = d.reqs[0]
         path = self._check_file(d.file)
         addr, off, n = t.data_ptr(), d.start, d.length
-        lo, hi = fmt.align_up(off), (off + n) // fmt.ALIGN * fmt.ALIGN
-        # the page-aligned body with O_DIRECT, the partial first and last pages buffered
-        for a, z in ((lo, hi), (off, lo), (hi, off + n)):
-            if z > a:
-                self.storage.read_into(path, a, _raw_view(addr + a - off, z - a), z - a,
-                                       hash=False)
+        if not self._read_direct_io():  # through the page cache: one read, straight in
+            self.storage.read_into(path, off, _raw_view(addr, n), n, hash=False, direct=False)
+        else:  # the page-aligned body with O_DIRECT, the partial first and last pages buffered
+            lo, hi = fmt.align_up(off), (off + n) // fmt.ALIGN * fmt.ALIGN
+            assert lo <= hi, "direct reads are for chunks of at least a page (DIRECT_MIN)"
+            for a, z, direct in ((lo, hi, True), (off, lo, False), (hi, off + n, False)):
+                if z > a:
+                    self.storage.read_into(path, a, _raw_view(addr + a - off, z - a), z - a,
+                                           hash=False, direct=direct)
         return self._io.hash(_raw_view(addr, n), n) if self.verify else None
 
     def _prefetch(self, items: list, loader: Any = None):
@@ -259,7 +302,8 @@ class FastCkptReader(StorageReader):
                             loader.before_reuse(_address(buf))
                         path = self._check_file(it.file)
                         # no hash of the whole span: each chunk is checked on its own
-                        self.storage.read_into(path, it.start, buf, it.length, hash=False)
+                        self.storage.read_into(path, it.start, buf, it.length, hash=False,
+                                               direct=self._read_direct_io())
                     ready.put((it, buf, h, None))
                 except BaseException as e:  # noqa: BLE001 - handed to the consumer
                     ready.put((it, buf, None, e))
@@ -312,6 +356,18 @@ class FastCkptReader(StorageReader):
                 f"{fmt.hexdigest(h)}): the shard is damaged", file=f"{self.step_dir}/{c['file']}",
                 key=fqn, offset=int(c["offset"]), rank=self.rank)
 
+    def _read_direct_io(self) -> bool:
+        """Whether to read around the page cache (O_DIRECT): not for a small checkpoint
+        (SMALL_LOAD bytes: its reads are too short to gain, and a warm cache is faster), nor one
+        whose files are in the page cache already (just written, or read before); yes
+        otherwise (a restart reading GBs cold: no double copy, no cache pollution)."""
+        if self._direct is None:
+            files = self.body["files"]
+            total = sum(f["size"] for f in files.values())
+            self._direct = total > SMALL_LOAD and not all(
+                self.storage.cached(f"{self.step_dir}/{n}") for n in files)
+        return self._direct
+
     @property
     def _io(self):
         io_backend = getattr(self.storage, "io", None)
@@ -359,17 +415,28 @@ class FastCkptReader(StorageReader):
                                    "(a newer step was committed and retention or gc removed "
                                    "this one)", file=self.step_dir, rank=self.rank)
 
-    def _plain_values(self) -> dict[str, Any]:
-        """Plain (non-tensor) leaves under DCP's flattened names, for ``dcp.load`` users."""
+    def _plain_values_and_aliases(self) -> tuple[dict[str, Any], dict[str, list[str]]]:
+        """Plain (non-tensor) leaves under DCP's flattened names, for ``dcp.load`` users (this
+        rank's when they differ by rank), and stored tensor -> the other keys tied to it."""
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
         tree = self.body.get("tree")
-        if tree is None:  # per-rank values: serve this rank's (rank 0's without a group)
-            trees = self.body["rank_trees"]
-            tree = trees[min(self.rank or 0, len(trees) - 1)]
-        marker = torch.empty(0)
-        decoded = decode_value(tree, lambda fqn: marker)
-        flat, _ = flatten_state_dict(decoded)
-        return {k: v for k, v in flat.items() if v is not marker}
+        if tree is None:  # per-rank values: this rank's
+            self._check_same_world("the state holds plain values per rank",
+                                   f"{self.step_dir}/{fmt.MANIFEST}")
+            tree = self.body["rank_trees"][self.rank]
+        refs: dict[int, str] = {}
+
+        def marker(fqn: str) -> torch.Tensor:
+            t = torch.empty(0)
+            refs[id(t)] = fqn
+            return t
+        flat, _ = flatten_state_dict(decode_value(tree, marker))
+        plain = {k: v for k, v in flat.items() if id(v) not in refs}
+        aliases: dict[str, list[str]] = {}
+        for k, v in flat.items():
+            if id(v) in refs and refs[id(v)] != k:
+                aliases.setdefault(refs[id(v)], []).append(k)
+        return plain, aliases
 
 
 # ------------------------------------------------------------------------------------- spans
@@ -383,6 +450,8 @@ SPAN_GAP_MAX = 1 << 20
 READ_STREAMS = 2
 #: chunks from this size up are read straight into their destination when it allows
 DIRECT_MIN = 1 << 20
+#: checkpoints up to this size are read through the page cache (see _read_direct_io)
+SMALL_LOAD = 64 << 20
 
 
 @dataclass

@@ -39,7 +39,14 @@ def _is_module(x: Any) -> bool:
 
 
 def _is_optimizer(x: Any) -> bool:
-    return isinstance(x, torch.optim.Optimizer)
+    """A torch optimizer with torch's own ``state_dict``/``load_state_dict`` (which DCP's
+    helpers understand). Subclasses that define their own (optimizer containers such as
+    torchtitan's, wrappers) are Stateful objects: their own methods are called, as they are."""
+    if not isinstance(x, torch.optim.Optimizer):
+        return False
+    t = type(x)
+    return (t.state_dict is torch.optim.Optimizer.state_dict
+            and t.load_state_dict is torch.optim.Optimizer.load_state_dict)
 
 
 def _is_stateful(x: Any) -> bool:
@@ -74,12 +81,40 @@ def _module_sd(m: torch.nn.Module) -> dict:
     return get_model_state_dict(m)
 
 
-def _optim_sd(o: torch.optim.Optimizer, modules: list) -> tuple[dict, torch.nn.Module | None]:
+def _optim_sd(o: torch.optim.Optimizer, modules: list, *,
+              saving: bool) -> tuple[dict, torch.nn.Module | None]:
+    """The optimizer's state dict keyed by parameter FQN (DCP's layout: it reshards), and the
+    model holding its parameters (None: torch's own layout, by parameter index).
+
+    Saving never changes the optimizer: DCP's helper creates a missing state by running a
+    zero-gradient ``step()`` (it bumps step counters and can move parameters), so a fresh
+    optimizer (no state yet) is described without it: its param groups, no state."""
     model = _model_for(o, modules)
     if model is None:
         return o.state_dict(), None
+    if saving and not o.state:
+        return _fresh_optim_sd(o, model), model
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     return get_optimizer_state_dict(model, o), model
+
+
+def _param_fqns(model: torch.nn.Module) -> dict[int, str]:
+    """id(parameter) -> its FQN as DCP names it (wrapper prefixes such as FSDP's or
+    torch.compile's removed)."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+    out: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        fqns = _get_fqns(model, name)
+        out.setdefault(id(p), next(iter(fqns)) if len(fqns) == 1 else name)
+    return out
+
+
+def _fresh_optim_sd(o: torch.optim.Optimizer, model: torch.nn.Module) -> dict:
+    """What DCP's helper returns for an optimizer that has no state, without creating any."""
+    names = _param_fqns(model)
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [names[id(p)] for p in g["params"]]} for g in o.param_groups]
+    return {"state": {}, "param_groups": groups}
 
 
 def _fresh_plain_optimizer(o: torch.optim.Optimizer, modules: list, skel: Any) -> dict | None:
@@ -125,6 +160,9 @@ def _by_param_index(o: torch.optim.Optimizer, tree: dict, names: dict) -> dict:
 class Flat:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     skeleton: Any = None
+    #: key path -> the key path of the tensor it is tied to (stored once, under the first)
+    aliases: dict[str, str] = field(default_factory=dict)
+    views: dict[tuple, str] = field(default_factory=dict)  # _view_key -> first key path
 
 
 def flatten(state: Any) -> Flat:
@@ -157,7 +195,7 @@ def _flatten(x: Any, path: tuple, flat: Flat, modules: list) -> Any:
     if _is_module(x):
         return _flatten(_module_sd(x), path, flat, modules)
     if _is_optimizer(x):
-        return _flatten(_optim_sd(x, modules)[0], path, flat, modules)
+        return _flatten(_optim_sd(x, modules, saving=True)[0], path, flat, modules)
     if isinstance(x, dict):
         if all(isinstance(k, str) and not k.startswith("$") for k in x):
             return {k: _flatten(v, path + (k,), flat, modules) for k, v in x.items()}
@@ -181,8 +219,23 @@ def _tensor_ref(t: torch.Tensor, path: tuple, flat: Flat) -> dict:
     if fqn in flat.tensors:
         raise UnsupportedStateError(f"two tensors map to the same key path {fqn!r}; rename one",
                                     key=fqn)
+    view = _view_key(t)
+    first = flat.views.get(view)
+    if first is not None:  # tied: the same memory under a second key (GPT-2's lm_head/wte)
+        flat.aliases[fqn] = first
+        return {TENSOR_TAG: first}  # written once; the skeleton points both keys at it
+    flat.views[view] = fqn
     flat.tensors[fqn] = t
     return {TENSOR_TAG: fqn}
+
+
+def _view_key(t: torch.Tensor) -> tuple:
+    """What makes two tensors the same memory seen the same way (a tie), for plain tensors and
+    DTensors (their local shards) alike."""
+    local = t.to_local() if is_dtensor(t) else t
+    return (local.device.type, local.device.index, local.untyped_storage().data_ptr(),
+            local.storage_offset(), tuple(local.shape), tuple(local.stride()), local.dtype,
+            local.is_conj(), local.is_neg(), tuple(t.shape))
 
 
 # ---------------------------------------------------------------------------------------- plan load
@@ -192,6 +245,17 @@ class LoadPlan:
     """What ``load`` must read (``targets``) and do afterwards (``finish``, in order)."""
     targets: dict[str, torch.Tensor] = field(default_factory=dict)
     finish: list[Callable[[], None]] = field(default_factory=list)
+
+
+def plan_read(skeleton: Any, tensor_meta: dict[str, dict], *,
+              alloc: Callable[[str, dict], torch.Tensor]) -> tuple[dict, LoadPlan]:
+    """The whole saved state as a new dict (tensors allocated from the checkpoint's metadata,
+    plain values as saved) and the plan that fills its tensors."""
+    plan = LoadPlan()
+    whole = _checkpoint_driven({}, skeleton, (), plan, tensor_meta, alloc)
+    if not isinstance(whole, dict):
+        raise StateMismatchError(f"the checkpoint holds {_kind(skeleton)}, not a dict")
+    return whole, plan
 
 
 def plan_load(state: dict, skeleton: Any, tensor_meta: dict[str, dict], *, strict: bool = True,
@@ -210,11 +274,14 @@ def plan_load(state: dict, skeleton: Any, tensor_meta: dict[str, dict], *, stric
 
 
 def _plan_container(dest: Any, skel: Any, path: tuple, plan: LoadPlan, meta: dict, strict: bool,
-                    alloc: Callable, modules: list, extra_ok: bool = True) -> None:
-    """Load into a mutable container (dict or list) in place.
+                    alloc: Callable, modules: list, module: bool = False) -> None:
+    """Load into a mutable container (dict or list) in place; its keys decide what is loaded.
 
-    Keys the checkpoint has and the destination lacks are added to plain dicts (``extra_ok``);
-    for a module's state dict they are an error in strict mode.
+    ``strict`` (the default): a key only the state has ("missing from the checkpoint") or only
+    the checkpoint has ("not in the state") is an error naming it; not strict: such keys are
+    left out. A key is never added to the caller's dict (``fastckpt.read`` returns a whole
+    checkpoint). Sub-states of optimizers and Stateful objects are the checkpoint's (see
+    ``_checkpoint_driven``).
     """
     if isinstance(dest, dict):
         items = skel_items(skel)
@@ -225,17 +292,18 @@ def _plan_container(dest: Any, skel: Any, path: tuple, plan: LoadPlan, meta: dic
         for k in dest:
             if k not in saved:
                 if strict:
-                    raise StateMismatchError("missing from the checkpoint", key=_fqn(path + (k,)))
+                    raise StateMismatchError(
+                        "missing from the checkpoint (load with strict=False to leave it as "
+                        "it is)", key=_fqn(path + (k,)))
                 continue
         for k, child in items:
             if k not in dest:
-                if not extra_ok:
-                    if strict:
-                        raise StateMismatchError("in the checkpoint but not in the module",
-                                                 key=_fqn(path + (k,)))
-                    continue
-                # a key only the checkpoint has: a plain dict gets it (checkpoint-driven)
-                _assign_later(plan, dest, k, child, path + (k,), meta, alloc)
+                if strict:
+                    where = "the module" if module else "the state"
+                    raise StateMismatchError(
+                        f"in the checkpoint but not in {where} (load with strict=False to "
+                        "leave it out, or fastckpt.read() for the whole checkpoint)",
+                        key=_fqn(path + (k,)))
                 continue
             _plan_slot(dest, k, child, path + (k,), plan, meta, strict, alloc, modules)
         return
@@ -269,7 +337,7 @@ def _plan_slot(container: Any, k: Any, skel: Any, path: tuple, plan: LoadPlan, m
         return
     if _is_module(dest):
         sd = _module_sd(dest)
-        _plan_container(sd, skel, path, plan, meta, strict, alloc, modules, extra_ok=False)
+        _plan_container(sd, skel, path, plan, meta, strict, alloc, modules, module=True)
 
         def load_module(m=dest, sd=sd):
             from torch.distributed.checkpoint.state_dict import set_model_state_dict
@@ -283,7 +351,7 @@ def _plan_slot(container: Any, k: Any, skel: Any, path: tuple, plan: LoadPlan, m
             plan.finish.append(lambda o=dest, tree=tree, names=fast:
                                o.load_state_dict(_by_param_index(o, tree, names)))
             return
-        sd, model = _optim_sd(dest, modules)
+        sd, model = _optim_sd(dest, modules, saving=False)
         tree = _checkpoint_driven(sd, skel, path, plan, meta, alloc)
 
         def load_optim(o=dest, model=model, tree=tree):
@@ -324,7 +392,18 @@ def _plan_tensor(dest: torch.Tensor, skel: Any, path: tuple, plan: LoadPlan, met
     if dest.dtype != m["dtype"]:
         raise StateMismatchError(
             f"dtype mismatch: checkpoint has {m['dtype']}, state has {dest.dtype}", key=fqn)
-    plan.targets[saved_fqn] = dest
+    _target(plan, saved_fqn, dest)
+
+
+def _target(plan: LoadPlan, saved_fqn: str, dest: torch.Tensor) -> None:
+    """Read ``saved_fqn`` into ``dest``. A tensor saved once for two tied keys: a destination
+    that is tied too (the same memory) is read once; an untied second one gets a copy of the
+    first after the read."""
+    first = plan.targets.get(saved_fqn)
+    if first is None:
+        plan.targets[saved_fqn] = dest
+    elif _view_key(first) != _view_key(dest):
+        plan.finish.append(lambda d=dest, f=first: d.copy_(f))
 
 
 def _checkpoint_driven(dest_sd: Any, skel: Any, path: tuple, plan: LoadPlan, meta: dict,
@@ -343,8 +422,10 @@ def _checkpoint_driven(dest_sd: Any, skel: Any, path: tuple, plan: LoadPlan, met
             raise StateMismatchError("tensor referenced by the manifest has no data entry", key=fqn)
         d = dest_tensors.get(fqn)
         if d is not None and tuple(d.shape) == tuple(m["shape"]) and d.dtype == m["dtype"]:
-            plan.targets[fqn] = d
+            _target(plan, fqn, d)
             return d
+        if fqn in plan.targets:  # tied to a tensor this load already fills: share it
+            return plan.targets[fqn]
         t = alloc(fqn, m)
         plan.targets[fqn] = t
         return t

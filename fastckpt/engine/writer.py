@@ -73,16 +73,16 @@ class Job:
 class Writer:
     """The writer thread of one Checkpointer (started at its first save)."""
 
-    def __init__(self, storage: Storage, options: CheckpointOptions, rank: int,
+    def __init__(self, storage: Storage, options: CheckpointOptions, group: "_dist.Group",
                  pool: StagingPool) -> None:
         self.storage = storage
         self.options = options
-        self.rank = rank
+        self.group = group
+        self.rank = group.rank
         self.pool = pool
         #: called (writer thread) after each committed save: (bytes, write_s, stage_s)
         self.on_saved: list[Callable[[int, float, float], None]] = []
         self.queue: queue.Queue = queue.Queue()
-        self.exchange: _dist.Exchange | None = None
         #: (coordinator) the writer lease, checked just before each manifest is written
         self.lease: Any = None
         self._thread: threading.Thread | None = None
@@ -90,8 +90,6 @@ class Writer:
     def submit(self, job: Job) -> None:
         """(training thread) Hand a save to the writer; it starts on each piece as staged."""
         if self._thread is None:
-            if self.exchange is None:
-                self.exchange = _dist.Exchange()
             self._thread = threading.Thread(target=self._run, name="fastckpt-writer",
                                             daemon=True)
             self._thread.start()
@@ -183,7 +181,7 @@ class Writer:
         if job.deadline is not None:
             deadline = min(deadline, job.deadline)
         try:
-            commit(self.exchange, save_id=plan.save_id, rank=self.rank,
+            commit(self.group.exchange, save_id=plan.save_id, rank=self.rank,
                    world_size=plan.world_size, result=result, deadline=deadline,
                    coordinator=lambda results: self._coordinate(
                        job, results, self.storage.bounded(deadline)))
@@ -269,7 +267,7 @@ class Writer:
                                      torch_version=_torch_version())
         if self.lease is not None:  # nobody took the root over since the save began
             self.lease.check()
-        st.publish(f"{d}/{fmt.MANIFEST}", fmt.encode_manifest(body))
+        st.publish(f"{d}/{fmt.MANIFEST}", fmt.encode_manifest(body, plan.format_version))
         job.files = set(files)
         # nothing else here: the outcome is published as soon as the manifest is (the other
         # ranks wait only until the deadline); housekeeping runs after it (_housekeep)

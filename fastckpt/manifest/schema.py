@@ -28,7 +28,11 @@ import xxhash
 from ..errors import CorruptCheckpointError, StateMismatchError
 
 FORMAT_NAME = "fastckpt"
-FORMAT_VERSION = 1
+#: the newest version this code reads and writes. 1: the original format. 2 adds what a
+#: format-1 reader would load wrongly: tied tensors (two skeleton keys referencing one stored
+#: tensor) and per-rank tensors (``"per_rank": true``, one copy per saving rank). A manifest
+#: that uses neither is written as version 1, readable by older fastckpt.
+FORMAT_VERSION = 2
 HASH_NAME = "xxh3_64"
 ALIGN = 4096
 SMALL_ALIGN = 64
@@ -79,9 +83,10 @@ def _body_checksum(body: dict) -> str:
     return hexdigest(xxhash.xxh3_64_intdigest(canon.encode()))
 
 
-def encode_manifest(body: dict) -> bytes:
-    """Serialise a manifest body with a checksum over its canonical JSON form."""
-    doc = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "body": body,
+def encode_manifest(body: dict, version: int = 1) -> bytes:
+    """Serialise a manifest body with a checksum over its canonical JSON form; ``version``: the
+    lowest format version that holds it (see FORMAT_VERSION)."""
+    doc = {"format": FORMAT_NAME, "format_version": version, "body": body,
            "checksum": _body_checksum(body)}
     return (json.dumps(doc, indent=1, allow_nan=False) + "\n").encode()
 
@@ -256,7 +261,6 @@ def _validate_tensor(fqn: object, t: object, files: dict, world: int, bad) -> No
     chunks = t.get("chunks")
     if not isinstance(chunks, list):
         raise bad("'chunks' is not a list", key=fqn)
-    covered = 0
     boxes = []
     for c in chunks:
         if not isinstance(c, dict):
@@ -288,15 +292,25 @@ def _validate_tensor(fqn: object, t: object, files: dict, world: int, bad) -> No
         if not isinstance(c.get("checksum"), str) or not _HEX16_RE.match(c["checksum"]):
             raise bad(f"chunk {offs} has an invalid checksum {c.get('checksum')!r}", key=fqn)
         if numel:
-            covered += numel
             boxes.append((offs, sizes))
     want = math.prod(shape)
-    if covered != want:
-        raise bad(f"the chunks hold {covered} of the tensor's {want} elements", key=fqn)
-    overlap = _first_overlap(boxes)
-    if overlap is not None:
-        (a, sa), (b, sb) = overlap
-        raise bad(f"chunks {a}+{sa} and {b}+{sb} overlap", key=fqn)
+    per_rank = t.get("per_rank", False)
+    if per_rank is not False and per_rank is not True:
+        raise bad(f"per_rank is {per_rank!r}", key=fqn)
+    # a per-rank tensor holds one full copy per saving rank: each rank's chunks cover it
+    groups: dict = {}
+    for c, box in zip([c for c in chunks if math.prod(c["sizes"])], boxes):
+        groups.setdefault(c["rank"] if per_rank else None, []).append(box)
+    counts = {r: sum(math.prod(b[1]) for b in bs) for r, bs in groups.items()} or {None: 0}
+    for r, n in counts.items():
+        if n != want:
+            of = f" of rank {r}" if per_rank else ""
+            raise bad(f"the chunks{of} hold {n} of the tensor's {want} elements", key=fqn)
+    for bs in groups.values():
+        overlap = _first_overlap(bs)
+        if overlap is not None:
+            (a, sa), (b, sb) = overlap
+            raise bad(f"chunks {a}+{sa} and {b}+{sb} overlap", key=fqn)
 
 
 def _first_overlap(boxes: list) -> tuple | None:

@@ -89,7 +89,8 @@ class Preemption:
         with _lock:
             _instances += 1
             self.prefix = f"preempt/{_instances}"
-        self.ex = _dist.Exchange()
+        self.group = ckpt.group
+        self.ex = ckpt.group.exchange
         path = opts.event_log
         if path is None and ckpt.storage.is_local:
             path = os.path.join(ckpt.storage.root, "events")
@@ -312,7 +313,8 @@ class Preemption:
 
     def _check_allreduce(self, state: dict, step: int) -> Any:
         local = self._local[0][1] if self._local else None
-        flags = _dist.all_gather_object((local, self.cancel))
+        flags = self.group.gather([local, self.cancel], timeout_s=self.opts.plan_timeout_s,
+                                  what=f"preemption check at step {step}")
         firsts = [f for f, _ in flags if f is not None]
         if not firsts:
             return None
@@ -465,7 +467,7 @@ class Preemption:
             return
         if self.ckpt.inflight()[0] is not None:
             clean = False  # an abandoned in-flight save: closing would wait for its writer
-        if code != EXIT_FAILED:
+        if code != EXIT_FAILED and self.group.collective:
             _destroy_process_group()
         self.event("exit", code=code, reason=reason, missing=missing or None,
                    deadline_in_s=round(self._dl() - time.monotonic(), 3))

@@ -107,9 +107,15 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def read_into(self, path: str, offset: int, buf, nbytes: int, *,
-                  hash: bool = True) -> int | None:
+                  hash: bool = True, direct: bool | None = None) -> int | None:
         """Read ``nbytes`` at ``offset`` into ``buf``; return the xxh3-64 hash of them (None
-        with ``hash=False``: the caller checks smaller ranges itself)."""
+        with ``hash=False``: the caller checks smaller ranges itself). ``direct``: bypass the
+        page cache (local files; None: the storage's setting), see :meth:`cached`."""
+
+    def cached(self, path: str) -> bool:
+        """Whether ``path`` looks resident in the page cache (local files: probed without
+        blocking); reads of cached data are faster through the cache than around it."""
+        return False
 
     @abc.abstractmethod
     def publish(self, path: str, data: bytes, *, durable: bool = True) -> None:

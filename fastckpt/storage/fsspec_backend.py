@@ -295,7 +295,7 @@ class FsspecStorage(Storage):
         return f"{left} at {url} ({why}); `fastckpt gc` aborts it"
 
     def read_into(self, path: str, offset: int, buf, nbytes: int, *,
-                  hash: bool = True) -> int | None:
+                  hash: bool = True, direct: bool | None = None) -> int | None:
         out = memoryview(buf).cast("B")
         if len(out) < nbytes:
             raise ValueError(f"buffer holds {len(out)} bytes, asked to read {nbytes}")

@@ -153,11 +153,34 @@ class LocalStorage(Storage):
             raise storage_error(e, "syncing the directory", path) from e
 
     def read_into(self, path: str, offset: int, buf, nbytes: int, *,
-                  hash: bool = True) -> int | None:
+                  hash: bool = True, direct: bool | None = None) -> int | None:
+        direct = self.direct_io if direct is None else direct and self.direct_io
         try:
-            return self.io.read_into(path, offset, buf, nbytes, direct=self.direct_io, hash=hash)
+            return self.io.read_into(path, offset, buf, nbytes, direct=direct, hash=hash)
         except (OSError, EOFError) as e:
             raise storage_error(e, "reading", path, offset=offset) from e
+
+    def cached(self, path: str) -> bool:
+        """Three pages (first, middle, last) readable with ``RWF_NOWAIT``: they are in the page
+        cache (a file just written or read is); False when the probe is not available."""
+        flag = getattr(os, "RWF_NOWAIT", None)
+        if flag is None:
+            return False
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            size = os.fstat(fd).st_size
+            buf = bytearray(1)
+            for off in sorted({0, size // 2, max(0, size - 1)}):
+                if size and os.preadv(fd, [buf], off, flag) != 1:
+                    return False
+            return True
+        except OSError:  # EAGAIN: not cached; EOPNOTSUPP: cannot tell
+            return False
+        finally:
+            os.close(fd)
 
     def publish(self, path: str, data: bytes, *, durable: bool = True) -> None:
         d, name = os.path.split(path)

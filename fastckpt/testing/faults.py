@@ -143,8 +143,11 @@ class FaultyStorage(Storage):
         self._point("after_shard_write")
 
     def read_into(self, path: str, offset: int, buf, nbytes: int, *,
-                  hash: bool = True) -> int | None:
-        return self.inner.read_into(path, offset, buf, nbytes, hash=hash)
+                  hash: bool = True, direct: bool | None = None) -> int | None:
+        return self.inner.read_into(path, offset, buf, nbytes, hash=hash, direct=direct)
+
+    def cached(self, path: str) -> bool:
+        return self.inner.cached(path)
 
     def publish(self, path: str, data: bytes, *, durable: bool = True) -> None:
         manifest = path.endswith("/" + fmt.MANIFEST)

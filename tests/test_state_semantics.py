@@ -1,0 +1,159 @@
+"""What a state means when saved and loaded (issue 10, defects 3-6): values that differ per
+rank stay per rank, tied tensors are written once and stay tied, loading never adds keys
+(``strict``; ``fastckpt.read`` for a whole checkpoint), and ``RNGState`` resumes dropout
+bit-exact."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.manifest import schema as fmt
+from tests import distributed
+
+
+def _manifest(root: str, step: int) -> dict:
+    with open(os.path.join(root, fmt.step_dirname(step), fmt.MANIFEST)) as f:
+        return json.load(f)
+
+
+# ------------------------------------------------------------------------ 3. per-rank values
+
+def _per_rank(rank: int, world: int, root: str):
+    torch.manual_seed(100 + rank)  # ranks seeded apart: their generator states differ
+    big = torch.full((400_000,), float(rank))  # 1.6 MB: a sampled fingerprint
+    state = {"rng": torch.get_rng_state(), "big": big, "shared": torch.arange(6.0),
+             "pos": 1000 + rank}
+    fastckpt.save(state, root, step=1)
+    dest = {"rng": torch.zeros_like(state["rng"]), "big": torch.zeros_like(big),
+            "shared": torch.zeros(6), "pos": None}
+    fastckpt.load(dest, root)
+    from fastckpt.engine.reader import FastCkptReader
+    import torch.distributed.checkpoint as dcp
+    plain = {"rng": torch.zeros_like(state["rng"]), "pos": 0}
+    dcp.load(plain, storage_reader=FastCkptReader(root))  # no rank= given: the caller's
+    return (torch.equal(dest["rng"], state["rng"]), dest["big"][0].item(), dest["pos"],
+            torch.equal(dest["shared"], torch.arange(6.0)),
+            torch.equal(plain["rng"], state["rng"]), plain["pos"])
+
+
+def test_values_that_differ_per_rank_stay_per_rank(root):
+    out = distributed.run(_per_rank, 2, root)
+    assert out == [(True, 0.0, 1000, True, True, 1000), (True, 1.0, 1001, True, True, 1001)]
+    doc = _manifest(root, 1)
+    assert doc["format_version"] == 2
+    t = doc["body"]["tensors"]
+    assert t["rng"]["per_rank"] and t["big"]["per_rank"] and "per_rank" not in t["shared"]
+    assert sorted(c["rank"] for c in t["rng"]["chunks"]) == [0, 1]
+    assert len(t["shared"]["chunks"]) == 1  # replicated: written once
+    with pytest.raises(fastckpt.StateMismatchError, match="differ(ed)? between"):
+        fastckpt.load({"rng": torch.zeros(5056, dtype=torch.uint8), "big": torch.zeros(400_000),
+                       "shared": torch.zeros(6), "pos": 0}, root)
+
+
+# -------------------------------------------------------------------------- 4. tied tensors
+
+class Tied(torch.nn.Module):
+    """GPT-2's tie: the output projection is the token embedding."""
+
+    def __init__(self, tie: bool = True) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(512, 64)
+        self.lm_head = torch.nn.Linear(64, 512, bias=False)
+        if tie:
+            self.lm_head.weight = self.wte.weight
+
+
+def test_tied_tensors_are_written_once_and_stay_tied(root):
+    m = Tied()
+    fastckpt.save({"model": m}, root, step=1)
+    doc = _manifest(root, 1)
+    assert list(doc["body"]["tensors"]) == ["model.wte.weight"] and doc["format_version"] == 2
+    assert sum(f["size"] for f in doc["body"]["files"].values()) < 2 * 512 * 64 * 4
+    m2 = Tied()
+    fastckpt.load({"model": m2}, root)
+    assert m2.lm_head.weight is m2.wte.weight and torch.equal(m2.wte.weight, m.wte.weight)
+    u = Tied(tie=False)  # untied now: each key gets the value
+    fastckpt.load({"model": u}, root)
+    assert torch.equal(u.lm_head.weight, m.wte.weight) and torch.equal(u.wte.weight,
+                                                                         m.wte.weight)
+    # plain DCP users get both keys
+    import torch.distributed.checkpoint as dcp
+    from fastckpt.engine.reader import FastCkptReader
+    sd = {"model.wte.weight": torch.zeros(512, 64), "model.lm_head.weight": torch.zeros(512, 64)}
+    dcp.load(sd, storage_reader=FastCkptReader(root), no_dist=True)
+    assert all(torch.equal(v, m.wte.weight) for v in sd.values())
+    assert tools_verify_ok(root)
+
+
+def tools_verify_ok(root: str) -> bool:
+    from fastckpt import tools
+    return tools.verify_step(root).ok
+
+
+def test_a_format_1_manifest_still_loads(root):
+    fastckpt.save({"w": torch.arange(4.0)}, root, step=1)
+    assert _manifest(root, 1)["format_version"] == 1  # nothing of format 2 used
+    dest = {"w": torch.zeros(4)}
+    assert fastckpt.load(dest, root) == 1 and torch.equal(dest["w"], torch.arange(4.0))
+
+
+# ------------------------------------------------------------------- 5. strict, and read()
+
+def test_load_never_adds_keys_and_read_returns_everything(root):
+    state = {"w": torch.ones(3), "cfg": {"lr": 0.1, "name": "x"}, "step": 7}
+    fastckpt.save(state, root, step=7)
+    dest = {"w": torch.zeros(3), "cfg": {"lr": None}}
+    with pytest.raises(fastckpt.StateMismatchError, match="'cfg.name'.*not in the state"):
+        fastckpt.load(dest, root)
+    assert dest["cfg"] == {"lr": None} and "step" not in dest
+    fastckpt.load(dest, root, strict=False)
+    assert dest == {"w": dest["w"], "cfg": {"lr": 0.1}} and torch.equal(dest["w"], torch.ones(3))
+    with pytest.raises(fastckpt.StateMismatchError, match="missing from the checkpoint"):
+        fastckpt.load({"w": torch.zeros(3), "cfg": {"lr": 0}, "step": 0, "new": 1}, root)
+    whole = fastckpt.read(root)
+    assert whole["cfg"] == {"lr": 0.1, "name": "x"} and whole["step"] == 7
+    assert torch.equal(whole["w"], torch.ones(3))
+    m = torch.nn.Linear(3, 2)
+    o = torch.optim.Adam(m.parameters())
+    m(torch.ones(1, 3)).sum().backward()
+    o.step()
+    fastckpt.save({"model": m, "optim": o}, root, step=8)
+    whole = fastckpt.read(root, step=8)
+    assert set(whole["model"]) == {"weight", "bias"}
+    assert set(whole["optim"]["state"]["weight"]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+# ------------------------------------------------------------------------------ 6. RNGState
+
+def _dropout_run(root: str, steps: int, resume_at: int | None) -> list[float]:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Dropout(0.5),
+                            torch.nn.Linear(64, 1))
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    state = {"model": m, "optim": o, "rng": fastckpt.RNGState()}
+    start = 0
+    if resume_at is not None:
+        torch.manual_seed(12345)  # a restarted process: its generators are elsewhere
+        start = fastckpt.load(state, root)
+    losses = []
+    for step in range(start, steps):
+        x = torch.randn(8, 16)  # the data comes from the generator too
+        loss = m(x).pow(2).mean()
+        o.zero_grad()
+        loss.backward()
+        o.step()
+        losses.append(loss.item())
+        if resume_at is None and step + 1 == 3:
+            fastckpt.save(state, root, step=3)
+    return losses
+
+
+def test_rng_state_resumes_dropout_bit_exact(root):
+    straight = _dropout_run(root, 6, None)
+    resumed = _dropout_run(root, 6, 3)
+    assert resumed == straight[3:]
