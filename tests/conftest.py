@@ -34,3 +34,19 @@ def tmpfs(tmp_path):
     yield mount
     for d in mounted:
         subprocess.run(["umount", "-l", d])
+
+
+@pytest.fixture
+def stats(monkeypatch):
+    """The ``read_stats`` of every ``FastCkptReader.read_data`` call of the test, in order."""
+    from fastckpt.engine import reader as R
+    seen: list[dict] = []
+    orig = R.FastCkptReader.read_data
+
+    def read_data(self, plan, planner):
+        try:
+            return orig(self, plan, planner)
+        finally:
+            seen.append(dict(self.read_stats))
+    monkeypatch.setattr(R.FastCkptReader, "read_data", read_data)
+    return seen

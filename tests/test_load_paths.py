@@ -17,20 +17,6 @@ from fastckpt.manifest import schema as fmt
 from fastckpt.storage import LocalStorage
 
 
-@pytest.fixture
-def stats(monkeypatch):
-    seen: list[dict] = []
-    orig = R.FastCkptReader.read_data
-
-    def read_data(self, plan, planner):
-        try:
-            return orig(self, plan, planner)
-        finally:
-            seen.append(dict(self.read_stats))
-    monkeypatch.setattr(R.FastCkptReader, "read_data", read_data)
-    return seen
-
-
 def _state():
     g = torch.Generator().manual_seed(3)
     return {"a": torch.randn(300_000, generator=g), "b": torch.randn(7, 5, generator=g),

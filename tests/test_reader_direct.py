@@ -33,21 +33,6 @@ def native(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture
-def stats(monkeypatch):
-    """The read_stats of every read_data call of the test."""
-    seen: list[dict] = []
-    orig = R.FastCkptReader.read_data
-
-    def read_data(self, plan, planner):
-        try:
-            return orig(self, plan, planner)
-        finally:
-            seen.append(dict(self.read_stats))
-    monkeypatch.setattr(R.FastCkptReader, "read_data", read_data)
-    return seen
-
-
 def _in_phase(nbytes: int, phase: int, dtype=torch.float32) -> torch.Tensor:
     """A tensor of ``nbytes`` whose address is ``phase`` modulo 4096."""
     raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
