@@ -24,12 +24,13 @@ from .errors import (
 _LAZY = {
     "Checkpointer": ".checkpointer", "SaveHandle": ".engine.handle", "save": ".checkpointer",
     "load": ".checkpointer", "read": ".checkpointer", "CheckpointOptions": ".options",
-    "FastCkptReader": ".engine.reader", "RNGState": ".rng",
+    "FastCkptReader": ".engine.reader", "RNGState": ".rng", "steps": ".checkpointer",
+    "latest_step": ".checkpointer",
 }
 
 __all__ = [
     "Checkpointer", "SaveHandle", "CheckpointOptions", "FastCkptReader", "RNGState", "save",
-    "load", "read",
+    "load", "read", "steps", "latest_step",
     "FastCkptError", "UnsupportedStateError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "StateMismatchError", "StorageError", "SaveFailedError", "CommitTimeoutError",
     "CollectiveTimeoutError",

@@ -115,6 +115,18 @@ def load(state: dict, path: str | os.PathLike, *, step: int | None = None,
         return ck.load(state, step=step)
 
 
+def steps(path: str | os.PathLike, **options: Any) -> list[int]:
+    """The committed steps under ``path``, oldest first (no collective)."""
+    with Checkpointer(path, collective=False, **options) as ck:
+        return ck.steps()
+
+
+def latest_step(path: str | os.PathLike, **options: Any) -> int | None:
+    """The newest committed step under ``path``, or None (no collective)."""
+    with Checkpointer(path, collective=False, **options) as ck:
+        return ck.latest_step()
+
+
 def read(path: str | os.PathLike, *, step: int | None = None, **options: Any) -> dict:
     """The whole checkpoint of ``step`` (default: newest committed) under ``path`` as a new
     dict of tensors and plain values, as saved (see :meth:`Engine.read`)."""

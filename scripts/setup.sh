@@ -23,6 +23,8 @@ fi
 python -m pip install -q --upgrade pip >.venv/pip-upgrade.log 2>&1 || cat .venv/pip-upgrade.log
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
 mkdir -p .venv/log
-python -m pip install -q -e ".[test]" >.venv/log/pip-install.log 2>&1 || {
+# the integrations' packages must not replace the torch installed above
+python -c "import torch; print('torch==' + torch.__version__)" >.venv/log/constraints.txt
+python -m pip install -q -c .venv/log/constraints.txt -e ".[test]" >.venv/log/pip-install.log 2>&1 || {
   cat .venv/log/pip-install.log; echo "[setup] pip install failed"; exit 1; }
 python -c "import fastckpt, fastckpt.storage.native as n; print('[setup] fastckpt', fastckpt.__version__, '| I/O backend:', 'native' if n.native_available() else 'python (' + str(n.native_error()) + ')')"

@@ -36,11 +36,11 @@ import uuid
 import weakref
 from typing import Any, Callable
 
-from ..errors import (CheckpointNotFoundError, FastCkptError, StorageError,
-                      UnsupportedStateError, WriterLockedError)
+from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, FastCkptError,
+                      StorageError, UnsupportedStateError, WriterLockedError)
 from ..lease import WriterLease
 from ..manifest import schema as fmt
-from ..manifest.discovery import find_step
+from ..manifest.discovery import find_step, list_steps, read_manifest
 from ..options import CheckpointOptions, options_from_env
 from ..storage import Storage, open_storage
 from ..storage.native import get_backend
@@ -356,6 +356,17 @@ class Engine:
             return self.load(state)
         except CheckpointNotFoundError:
             return None
+
+    def steps(self) -> list[int]:
+        """Every committed step under the root (a valid manifest), oldest first."""
+        out = []
+        for s, d in list_steps(self.storage):
+            try:
+                if read_manifest(self.storage, d, step=s) is not None:
+                    out.append(s)
+            except CorruptCheckpointError:
+                continue
+        return out
 
     def latest_step(self) -> int | None:
         try:

@@ -1,0 +1,289 @@
+"""fastckpt as a storage layer of ``torch.distributed.checkpoint`` (DCP).
+
+    import torch.distributed.checkpoint as dcp
+    import fastckpt.dcp
+
+    dcp.save(state, storage_writer=fastckpt.dcp.Writer("/nvme/ckpt/run", step=100))
+    dcp.async_save(state, storage_writer=fastckpt.dcp.Writer("/nvme/ckpt/run", step=200))
+    dcp.save(state, checkpoint_id="/nvme/ckpt/run/step-300", storage_writer=fastckpt.dcp.Writer())
+    dcp.load(state, storage_reader=fastckpt.dcp.Reader("/nvme/ckpt/run"))        # newest step
+    dcp.load(state, checkpoint_id="/nvme/ckpt/run/step-300", storage_reader=fastckpt.dcp.Reader())
+
+The result is an ordinary fastckpt checkpoint (``step-0000000100/manifest.json`` and shard
+files, checksums, the atomic manifest commit): ``fastckpt.load``, ``fastckpt ls/verify``,
+resharding and the engine's retention see it like any other. A ``checkpoint_id`` ending in
+``step-N`` (torchtitan's layout) names the root above it and step N.
+
+Call sequence (DCP's, see ``torch.distributed.checkpoint.StorageWriter``):
+
+1. (all ranks) ``reset(checkpoint_id)``, ``set_up_storage_writer``: the root and the step;
+2. (all ranks) ``prepare_local_plan``; (coordinator) ``prepare_global_plan``: unchanged (DCP's
+   planner decides who writes what, replicated values once);
+3. (all ranks) ``write_data``: this rank's items into its own shard files (named with an id
+   of its own), laid out as the engine lays them out: a local file system writes large
+   contiguous tensors straight from their memory (the caller does not touch them until DCP
+   returns; ``async_save`` hands over its own staged copy), other stores through a staging
+   buffer; each chunk's xxh3-64 computed while writing; files fsynced, then their directory;
+   non-tensor values are returned as JSON (never pickled: a value that is not plain data is
+   refused with ``UnsupportedStateError`` naming its key);
+4. (coordinator) ``finish``: the manifest, built from DCP's metadata and every rank's results
+   (the skeleton nested again from the planner's key paths), published atomically: the
+   commit point. Files of an earlier save of the same step are removed after it.
+
+Limits: DCP's own collectives (planning, the gather of results) have no deadline of their own
+beyond the process group's timeout; the writer lease of ``fastckpt.Checkpointer`` is not taken
+(frameworks driving DCP keep their own single writer, and their own retention).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import uuid
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from .engine import dist as _dist
+from .engine.dtypes import dtype_name
+from .engine.plan import ChunkSpec
+from .engine.reader import FastCkptReader
+from .engine.staging import gather_piece, piece_bytes, split, stage_piece
+from .errors import FastCkptError, UnsupportedStateError
+from .manifest import schema as fmt
+from .manifest.values import encode_value
+from .options import CheckpointOptions, options_from_env
+from .storage import Storage, open_storage
+from .storage.pyio import aligned_buffer
+
+__all__ = ["Writer", "Reader", "split_checkpoint_id"]
+
+_STEP_ID = re.compile(r"^(.*)/step-(\d+)/?$")
+
+
+def split_checkpoint_id(checkpoint_id: str | os.PathLike) -> tuple[str, int | None]:
+    """``ROOT/step-N`` -> (ROOT, N); anything else -> (it, None)."""
+    text = str(checkpoint_id).rstrip("/")
+    m = _STEP_ID.match(text)
+    return (m.group(1) or "/", int(m.group(2))) if m else (text, None)
+
+
+class Writer(StorageWriter):
+    """A DCP ``StorageWriter`` that writes a fastckpt checkpoint (see the module docstring).
+    One instance per ``dcp.save``/``async_save`` call at a time."""
+
+    def __init__(self, root: str | os.PathLike | None = None, step: int | None = None, *,
+                 storage_options: dict | None = None, **option_overrides: Any) -> None:
+        super().__init__()
+        self.options: CheckpointOptions = options_from_env(CheckpointOptions())
+        if option_overrides:
+            self.options = self.options.with_changes(**option_overrides)
+        self._root = None if root is None else str(root)
+        self._step = step
+        self._storage_options = storage_options
+        self.storage: Storage | None = None
+        self.is_coordinator = False
+
+    # -- DCP interface -------------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            root, step = split_checkpoint_id(checkpoint_id)
+            self._root = root
+            if step is not None:
+                self._step = step
+        if self._root is None or self._step is None or self._step < 0:
+            raise ValueError("fastckpt.dcp.Writer needs a root and a step: Writer(root, step=N)"
+                             " or checkpoint_id='ROOT/step-N'")
+        self.storage = open_storage(self._root, io_mode=self.options.native,
+                                    direct_io=self.options.direct_io,
+                                    storage_options=self._storage_options)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self.storage is None:
+            self.reset()
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def storage_meta(self) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+        return StorageMeta(checkpoint_id=self._step_dir() if self.storage else None)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return split_checkpoint_id(checkpoint_id)[1] is not None
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        fut: Future[list[WriteResult]] = Future()
+        try:
+            fut.set_result(self._write(plan, planner))
+        except BaseException as e:  # noqa: BLE001 - DCP collects it from the future
+            fut.set_exception(e)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        assert self.storage is not None
+        d = self._step_dir()
+        tensors: dict[str, dict] = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                tensors[fqn] = {"dtype": dtype_name(md.properties.dtype),
+                                "shape": list(md.size), "dtensor": len(md.chunks) > 1,
+                                "chunks": []}
+        files: dict[str, dict] = {}
+        plain: dict[str, Any] = {}
+        for rank_results in results:
+            for wr in rank_results:
+                sd = wr.storage_data
+                if "value" in sd:
+                    plain[wr.index.fqn] = sd["value"]
+                    continue
+                for c in sd["chunks"]:
+                    c = dict(c)
+                    files[c["file"]] = {"rank": c["rank"], "size": c.pop("file_size")}
+                    tensors[wr.index.fqn]["chunks"].append(c)
+        tree = _nest(metadata.planner_data, tensors, plain)
+        body = fmt.new_manifest_body(
+            step=self._step, world_size=max(1, len(results)), save_id=uuid.uuid4().hex[:12],
+            files=files, tensors=tensors, trees=[tree], torch_version=str(torch.__version__),
+            user_meta={"written_by": "torch.distributed.checkpoint (fastckpt.dcp.Writer)"})
+        data = fmt.encode_manifest(body)
+        fmt.decode_manifest(data, file=f"{d}/{fmt.MANIFEST}", step=self._step)  # as a reader
+        self.storage.bounded(time.monotonic() + self.options.commit_timeout_s).publish(
+            f"{d}/{fmt.MANIFEST}", data)
+        for n in self.storage.listdir(d):  # an earlier save of this step, now replaced
+            if n != fmt.MANIFEST and n not in files:
+                self.storage.remove(f"{d}/{n}")
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _step_dir(self) -> str:
+        assert self.storage is not None and self._step is not None
+        return self.storage.join(fmt.step_dirname(self._step))
+
+    def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        """(all ranks) This rank's items into its shard files; a WriteResult per item."""
+        assert self.storage is not None
+        rank = _dist.rank()
+        d = self._step_dir()
+        st = self.storage.bounded(time.monotonic() + self.options.commit_timeout_s)
+        st.makedirs(d)
+        results: list[WriteResult] = []
+        specs: list[ChunkSpec] = []
+        items: dict[tuple, Any] = {}
+        data: dict[tuple, torch.Tensor] = {}
+        for item in plan.items:
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO:
+                lookup = getattr(planner, "lookup_object", None)
+                if lookup is None:
+                    raise UnsupportedStateError(
+                        f"{type(planner).__name__} cannot hand over plain values unpickled "
+                        "(use DCP's DefaultSavePlanner)", key=fqn)
+                results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data={
+                    "value": encode_value(lookup(item.index), (fqn,))}))
+                continue
+            t = planner.resolve_data(item).detach()
+            if t.is_conj() or t.is_neg():
+                t = t.resolve_conj().resolve_neg()
+            if t.device.type != "cpu":
+                t = t.to("cpu")
+            chunk = item.tensor_data.chunk
+            key = (fqn, tuple(chunk.offsets))
+            specs.append(ChunkSpec(fqn, dtype_name(t.dtype), tuple(item.tensor_data.size),
+                                   tuple(chunk.offsets), tuple(chunk.sizes),
+                                   t.numel() * t.element_size(), False))
+            items[key], data[key] = item, t
+        chunks_of: dict[tuple, list] = {key: [] for key in items}
+        sid = uuid.uuid4().hex[:12]  # this rank's files: no name is shared with another rank
+        specs.sort(key=lambda s: (s.fqn, s.offsets))
+        total = sum(s.nbytes for s in specs)
+        zero_copy = st.gathered_writes
+        phase = {k: t.data_ptr() % fmt.ALIGN for k, t in data.items()
+                 if t.is_contiguous() and t.nbytes >= fmt.SMALL_CHUNK} if zero_copy else None
+        for piece in split(specs, piece_bytes(total, None), phase=phase):
+            name = fmt.shard_name(rank, sid, piece.index)
+            path = f"{d}/{name}"
+            if zero_copy:
+                g = gather_piece(piece, data, st.io)
+                hashes = st.write_gathered(path, piece.size, g.segments, g.hash_ranges)
+            else:
+                buf = aligned_buffer(fmt.align_up(max(piece.size, 1)))
+                stage_piece(piece, buf, data)
+                hashes = st.write_shard(path, buf, piece.size,
+                                        [(s.offset, s.spec.nbytes) for s in piece.slots],
+                                        sync_dir=False)
+            for slot, h in zip(piece.slots, hashes):
+                chunks_of[slot.key].append({
+                    "offsets": list(slot.spec.offsets), "sizes": list(slot.spec.sizes),
+                    "rank": rank, "file": name, "offset": slot.offset,
+                    "length": slot.spec.nbytes, "checksum": fmt.hexdigest(h),
+                    "file_size": piece.size})
+        st.sync_dir(d)
+        for key, item in items.items():
+            results.append(WriteResult(index=item.index, size_in_bytes=data[key].nbytes,
+                                       storage_data={"chunks": chunks_of[key]}))
+        return results
+
+
+def _nest(mappings: Any, tensors: dict, plain: dict) -> Any:
+    """The skeleton of the state DCP flattened: every key path of ``mappings`` (flat key ->
+    the path of keys and indices it came from) holds a tensor reference or a plain value;
+    containers whose keys are 0..n-1 were lists."""
+    root: dict = {}
+    flat = {**{k: {"$tensor": k} for k in tensors}, **plain}
+    for key, value in flat.items():
+        path = tuple(mappings[key]) if mappings and key in mappings else (key,)
+        node = root
+        for p in path[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise FastCkptError(f"key {key!r}: a value and a container at one key path")
+        node[path[-1]] = value
+
+    def finish(x: Any) -> Any:
+        if not isinstance(x, dict) or "$tensor" in x or any(
+                isinstance(k, str) and k.startswith("$") for k in x):
+            return x
+        out = {k: finish(v) for k, v in x.items()}
+        if out and all(isinstance(k, int) for k in out) and sorted(out) == list(range(len(out))):
+            return [out[i] for i in range(len(out))]
+        if all(isinstance(k, str) for k in out):
+            return out
+        return {"$dict": [[encode_value(k, ()), v] for k, v in out.items()]}
+    return finish(root)
+
+
+class Reader(FastCkptReader):
+    """A DCP ``StorageReader`` over a fastckpt checkpoint that also takes DCP's
+    ``checkpoint_id``: ``ROOT`` (the newest committed step) or ``ROOT/step-N``."""
+
+    def __init__(self, root: str | os.PathLike | Storage | None = None,
+                 step: int | None = None, **kwargs: Any) -> None:
+        self._lazy = (root, step, kwargs)
+        if root is not None:
+            super().__init__(root, step, **kwargs)
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        if checkpoint_id is not None:
+            root, step = split_checkpoint_id(checkpoint_id)
+            kwargs = dict(self._lazy[2])
+            super().__init__(root, step if step is not None else self._lazy[1], **kwargs)
+        elif self._lazy[0] is None:
+            raise ValueError("fastckpt.dcp.Reader needs a root: Reader(root) or checkpoint_id")
+        else:
+            super().reset()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        root, _ = split_checkpoint_id(checkpoint_id)
+        return FastCkptReader.validate_checkpoint_id(root)
+
