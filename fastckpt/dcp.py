@@ -19,7 +19,8 @@ Call sequence (DCP's, see ``torch.distributed.checkpoint.StorageWriter``):
 1. (all ranks) ``reset(checkpoint_id)``, ``set_up_storage_writer``: the root and the step;
 2. (all ranks) ``prepare_local_plan``; (coordinator) ``prepare_global_plan``: unchanged (DCP's
    planner decides who writes what, replicated values once);
-3. (all ranks) ``write_data``: this rank's items into its own shard files (named with an id
+3. (all ranks) ``write_data``: (coordinator) an in-flight marker, so that ``fastckpt gc`` and
+   retention leave the step alone; this rank's items into its own shard files (named with an id
    of its own), laid out as the engine lays them out: a local file system writes large
    contiguous tensors straight from their memory (the caller does not touch them until DCP
    returns; ``async_save`` hands over its own staged copy), other stores through a staging
@@ -28,7 +29,8 @@ Call sequence (DCP's, see ``torch.distributed.checkpoint.StorageWriter``):
    refused with ``UnsupportedStateError`` naming its key);
 4. (coordinator) ``finish``: the manifest, built from DCP's metadata and every rank's results
    (the skeleton nested again from the planner's key paths), published atomically: the
-   commit point. Files of an earlier save of the same step are removed after it.
+   commit point. The marker and the files of an earlier save of the same step are removed
+   after it.
 
 Limits: DCP's own collectives (planning, the gather of results) have no deadline of their own
 beyond the process group's timeout; the writer lease of ``fastckpt.Checkpointer`` is not taken
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import time
 import uuid
 from typing import Any
@@ -56,6 +59,7 @@ from .engine.reader import FastCkptReader
 from .engine.staging import gather_piece, piece_bytes, split, stage_piece
 from .errors import FastCkptError, UnsupportedStateError
 from .manifest import schema as fmt
+from .manifest.discovery import marker_doc, marker_name
 from .manifest.values import encode_value
 from .options import CheckpointOptions, options_from_env
 from .storage import Storage, open_storage
@@ -88,6 +92,7 @@ class Writer(StorageWriter):
         self._storage_options = storage_options
         self.storage: Storage | None = None
         self.is_coordinator = False
+        self._save_id = ""
 
     # -- DCP interface -------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -107,6 +112,7 @@ class Writer(StorageWriter):
         if self.storage is None:
             self.reset()
         self.is_coordinator = is_coordinator
+        self._save_id = uuid.uuid4().hex[:12]
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -153,16 +159,16 @@ class Writer(StorageWriter):
                     tensors[wr.index.fqn]["chunks"].append(c)
         tree = _nest(metadata.planner_data, tensors, plain)
         body = fmt.new_manifest_body(
-            step=self._step, world_size=max(1, len(results)), save_id=uuid.uuid4().hex[:12],
+            step=self._step, world_size=max(1, len(results)), save_id=self._save_id,
             files=files, tensors=tensors, trees=[tree], torch_version=str(torch.__version__),
             user_meta={"written_by": "torch.distributed.checkpoint (fastckpt.dcp.Writer)"})
         data = fmt.encode_manifest(body)
         fmt.decode_manifest(data, file=f"{d}/{fmt.MANIFEST}", step=self._step)  # as a reader
-        self.storage.bounded(time.monotonic() + self.options.commit_timeout_s).publish(
-            f"{d}/{fmt.MANIFEST}", data)
-        for n in self.storage.listdir(d):  # an earlier save of this step, now replaced
+        st = self.storage.bounded(time.monotonic() + self.options.commit_timeout_s)
+        st.publish(f"{d}/{fmt.MANIFEST}", data)
+        for n in st.listdir(d):  # this save's marker; an earlier save of this step, replaced
             if n != fmt.MANIFEST and n not in files:
-                self.storage.remove(f"{d}/{n}")
+                st.remove(f"{d}/{n}")
 
     # -- helpers -------------------------------------------------------------------------------
     def _step_dir(self) -> str:
@@ -176,6 +182,9 @@ class Writer(StorageWriter):
         d = self._step_dir()
         st = self.storage.bounded(time.monotonic() + self.options.commit_timeout_s)
         st.makedirs(d)
+        if self.is_coordinator:  # the step is being written: gc and retention leave it alone
+            st.publish(f"{d}/{marker_name(self._save_id)}",
+                       marker_doc(self._save_id, host=socket.gethostname(), pid=os.getpid()))
         results: list[WriteResult] = []
         specs: list[ChunkSpec] = []
         items: dict[tuple, Any] = {}

@@ -41,7 +41,7 @@ ALLOWED = {
     # integrations: on top of the public API
     "dcp": {"errors", "options", "storage", "manifest", "engine"},
     "convert": {"errors", "options", "storage", "manifest", "engine", "dcp"},
-    "torchtitan": {"errors", "options", "storage", "manifest", "dcp"},
+    "torchtitan": {"errors", "options", "storage", "manifest", "retention", "engine", "dcp"},
     "lightning": {"errors", "options", "storage", "manifest", "retention", "engine",
                   "checkpointer", "dcp", "rng", "__init__"},
     "hf": {"errors", "options", "storage", "manifest", "retention", "engine", "checkpointer",
