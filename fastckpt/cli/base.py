@@ -127,10 +127,10 @@ def _print_table(table: Any) -> None:
 
 
 def _storage(root: str, *, must_exist: bool = False):
-    """The storage of ROOT. A step directory given as ROOT is a usage error (exit 2: a job
-    script must not take it for "no checkpoint, start fresh"); ``must_exist``: a local ROOT
+    """The storage of ROOT. A step directory, or a DCP checkpoint, given as ROOT is a usage
+    error (exit 2: a job script must not take it for "no checkpoint, start fresh"); ``must_exist``: a local ROOT
     that does not exist is reported (exit 3) instead of listed as empty (a mistyped path)."""
-    from ..manifest.discovery import looks_like_step_dir
+    from ..manifest.discovery import dcp_hint, looks_like_step_dir
     from ..tools import as_storage
     try:
         storage = as_storage(root)
@@ -142,6 +142,9 @@ def _storage(root: str, *, must_exist: bool = False):
     if parent is not None:
         raise CliError(f"{root} is a step directory, not a checkpoint root", EXIT_USAGE,
                        hint=f"give its parent: {parent}")
+    dcp = dcp_hint(storage)
+    if dcp is not None:  # never "nothing committed, start fresh" over a run's DCP checkpoints
+        raise CliError(f"{root}: {dcp}", EXIT_USAGE)
     if must_exist and storage.is_local and not os.path.exists(storage.root):
         raise CliError(f"{root} does not exist", EXIT_NO_CHECKPOINT,
                        hint="check the path (a job that has not saved yet has no root)")

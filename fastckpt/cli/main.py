@@ -1,4 +1,4 @@
-"""The ``fastckpt`` command: resume, ls, verify, gc, inspect, bench, info.
+"""The ``fastckpt`` command: resume, ls, verify, gc, inspect, bench, info, convert.
 
 Every command works on a local path or an fsspec URL, has ``--json``, shows progress on a
 terminal (on stderr) and stays quiet when piped, and reports expected conditions as one line
@@ -27,7 +27,7 @@ import click
 
 from ..errors import CheckpointNotFoundError, FastCkptError, StorageError
 from . import base
-from . import benchcmd, steps  # noqa: F401 - the commands register themselves with the group
+from . import benchcmd, convert, steps  # noqa: F401 - the commands register themselves
 from .base import (EXIT_BROKEN_PIPE, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NO_CHECKPOINT,
                    EXIT_PROBLEM, EXIT_STORAGE, CliError, _emit_json, cli)
 

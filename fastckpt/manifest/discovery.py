@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import re
 import time
 
 from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, NotRegularFileError,
@@ -19,6 +20,8 @@ from . import schema as fmt
 
 log = logging.getLogger("fastckpt")
 
+#: the metadata file of a torch.distributed.checkpoint (DCP) directory
+DCP_METADATA = ".metadata"
 #: full scans of a root that keeps changing before ``find_step`` gives up (with an error that
 #: is not "no checkpoint": a job script must never start fresh because a writer was busy)
 MAX_SCANS = 20
@@ -154,10 +157,14 @@ def looks_like_step_dir(storage: Storage) -> str | None:
 
 def root_hint(storage: Storage) -> str | None:
     """Why a root holds no step at all, when there is a likelier reason than "nothing saved
-    yet": it does not exist (a mistyped path), or it is a step directory (use its parent)."""
+    yet": it does not exist (a mistyped path), it is a step directory (use its parent), or it
+    is (or holds) a DCP checkpoint (``fastckpt convert`` it)."""
     parent = looks_like_step_dir(storage)
     if parent is not None:
         return f"it is a step directory: give its parent, {parent}"
+    dcp = dcp_hint(storage)
+    if dcp is not None:
+        return dcp
     if storage.is_local:
         import os
         if not os.path.exists(storage.root):
@@ -165,6 +172,45 @@ def root_hint(storage: Storage) -> str | None:
     return None
 
 
+_DCP_DATA = re.compile(r"^__\d+_\d+\.distcp$")  # FileSystemWriter's files: __RANK_N.distcp
+_ANY_STEP = re.compile(r"^step[-_]?(\d+)$")  # torchtitan's step-N, any number of digits
+
+
+def _is_dcp_dir(names: list[str]) -> bool:
+    return DCP_METADATA in names and any(_DCP_DATA.match(n) for n in names)
+
+
+def dcp_hint(storage: Storage) -> str | None:
+    """When the root is a DCP checkpoint directory (``torch.distributed.checkpoint``'s
+    ``.metadata`` and ``__R_N.distcp`` files), or holds DCP checkpoints in ``step-N``
+    subdirectories (torchtitan's layout; the newest three are looked at): what to run
+    instead, for the "no committed checkpoint" message. None otherwise, or when the root
+    cannot be listed."""
+    root = storage.root.rstrip("/") or "/"
+    disp = getattr(storage, "display", None)
+    show = (lambda p: disp(p)) if callable(disp) else (lambda p: p)  # noqa: E731
+    try:
+        names = storage.listdir(root)
+    except StorageError:
+        return None
+    if _is_dcp_dir(names):
+        return ("it is a DCP checkpoint (torch.distributed.checkpoint); run "
+                f"`fastckpt convert {show(root)} ROOT` to make a fastckpt checkpoint of it")
+    if any(fmt.parse_step_dirname(n) is not None for n in names):
+        return None  # fastckpt's own steps (next to DCP ones a run wrote before switching)
+    steps = sorted(((int(m.group(1)), n) for n in names if (m := _ANY_STEP.match(n))),
+                   reverse=True)
+    for _, n in steps[:3]:
+        try:
+            sub_names = storage.listdir(f"{root}/{n}")
+        except StorageError:  # a file named step-N, an unreadable directory
+            continue
+        if _is_dcp_dir(sub_names):
+            sub = show(f"{root}/{n}")
+            return ("it holds DCP checkpoints in step directories (torchtitan's layout): the "
+                    f"newest, {sub}, is a DCP checkpoint (torch.distributed.checkpoint); run "
+                    f"`fastckpt convert {sub} ROOT` to make a fastckpt checkpoint of it")
+    return None
 
 
 def marker_name(save_id: str) -> str:
