@@ -38,13 +38,15 @@ class RNGState:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         random.setstate(_tuples(sd["python"]))
-        torch.set_rng_state(sd["torch"])
+        # a copy of its own: torch.set_rng_state crashes (torch 2.13) on a tensor that starts
+        # part-way into its storage, which is how loaded tensors share a read buffer
+        torch.set_rng_state(sd["torch"].clone())
         if "numpy" in sd:
             import numpy as np
             kind, keys, pos, has_gauss, gauss = sd["numpy"]
             np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
         if "cuda" in sd and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(sd["cuda"])
+            torch.cuda.set_rng_state_all([t.clone() for t in sd["cuda"]])
 
 
 def _tuples(x: Any) -> Any:

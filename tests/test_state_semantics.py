@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -157,3 +159,26 @@ def test_rng_state_resumes_dropout_bit_exact(root):
     straight = _dropout_run(root, 6, None)
     resumed = _dropout_run(root, 6, 3)
     assert resumed == straight[3:]
+
+
+_RNG_FROM_READ = """
+import sys, torch, fastckpt
+d = sys.argv[1]
+torch.manual_seed(5)
+fastckpt.save({"a": torch.ones(1000), "rng": fastckpt.RNGState(), "w": torch.ones(5000)}, d,
+              step=1)
+want = torch.rand(4)
+torch.rand(100)
+sd = fastckpt.read(d)
+assert sd["rng"]["torch"].storage_offset() > 0  # a view into the read buffer
+fastckpt.RNGState().load_state_dict(sd["rng"])
+assert torch.equal(torch.rand(4), want)
+"""
+
+
+def test_rng_state_restores_from_a_whole_checkpoint_read(root):
+    """``fastckpt.read`` gives tensors that share one read buffer (a storage offset):
+    ``torch.set_rng_state`` crashed the process on such a tensor (SIGSEGV, torch 2.13)."""
+    r = subprocess.run([sys.executable, "-c", _RNG_FROM_READ, root], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
