@@ -197,8 +197,13 @@ class Writer(StorageWriter):
                     raise UnsupportedStateError(
                         f"{type(planner).__name__} cannot hand over plain values unpickled "
                         "(use DCP's DefaultSavePlanner)", key=fqn)
+                value = lookup(item.index)
+                if _holds_tensor(value):
+                    raise UnsupportedStateError(
+                        f"a tensor inside a {type(value).__name__}: DCP hands such a value over "
+                        "whole, to be pickled; use a list or a dict", key=fqn)
                 results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data={
-                    "value": encode_value(lookup(item.index), (fqn,))}))
+                    "value": encode_value(value, (fqn,))}))
                 continue
             t = planner.resolve_data(item).detach()
             if t.is_conj() or t.is_neg():
@@ -243,10 +248,21 @@ class Writer(StorageWriter):
         return results
 
 
+def _holds_tensor(x: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return True
+    if isinstance(x, (list, tuple)):
+        return any(_holds_tensor(v) for v in x)
+    if isinstance(x, dict):
+        return any(_holds_tensor(v) for v in x.values())
+    return False
+
+
 def _nest(mappings: Any, tensors: dict, plain: dict) -> Any:
     """The skeleton of the state DCP flattened: every key path of ``mappings`` (flat key ->
     the path of keys and indices it came from) holds a tensor reference or a plain value;
-    containers whose keys are 0..n-1 were lists."""
+    containers whose keys are 0..n-1 were lists (DCP's own unflattening makes the same
+    choice: a dict keyed 0..n-1 comes back as a list)."""
     root: dict = {}
     flat = {**{k: {"$tensor": k} for k in tensors}, **plain}
     for key, value in flat.items():

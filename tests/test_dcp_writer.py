@@ -161,3 +161,12 @@ def test_fsdp2_two_ranks_resharded(tmp_path, use_async):
     for step, got in run(_fsdp_engine_load, 4, root):
         assert step == 2
         assert_same(want[0], got)
+
+
+def test_a_tensor_inside_a_tuple_is_named(root):
+    """DCP passes a tuple whole (it would pickle it): the error says so, naming the key."""
+    with pytest.raises(CheckpointException) as ei:
+        dcp.save({"pair": (torch.ones(2), 3)}, storage_writer=fastckpt.dcp.Writer(root, step=1))
+    err = ei.value.failures[0][0]
+    assert isinstance(err, UnsupportedStateError)
+    assert "tensor inside a tuple" in str(err) and "pair" in str(err)

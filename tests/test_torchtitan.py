@@ -11,6 +11,7 @@ import pytest
 import fastckpt
 from fastckpt.manifest import schema as fmt
 from fastckpt.tools.verify import verify_step
+from tests.clirun import call
 from tests.distributed import run
 from tests.models import assert_same
 
@@ -58,9 +59,9 @@ def test_stop_and_resume_bit_exact(tmp_path, uninterrupted, async_mode):
     assert fastckpt.steps(root) == [2, 4, 6]
 
 
-def test_resumes_from_torchtitans_own_checkpoints(tmp_path, uninterrupted):
+def test_resumes_from_torchtitans_own_checkpoints(tmp_path, uninterrupted, capsys):
     """A run that switches managers mid-way: torchtitan's own DCP checkpoints resume, and the
-    next saves are fastckpt's."""
+    next saves are fastckpt's; the command-line tools read the mixed folder."""
     folder = str(tmp_path)
     first = run(train, 2, folder, STEPS, 4, "torchtitan", timeout=300)
     root = os.path.join(folder, "checkpoint")
@@ -68,6 +69,8 @@ def test_resumes_from_torchtitans_own_checkpoints(tmp_path, uninterrupted):
     second = run(train, 2, folder, STEPS, None, "fastckpt", timeout=300)
     _check_resumed(first, second, uninterrupted, 4)
     assert fastckpt.latest_step(root) == 6
+    rc, out, err = call("resume", root, "--json", capsys=capsys)
+    assert rc == 0 and json.loads(out)["step"] == 6, (out, err)
 
 
 def test_a_crash_mid_save_leaves_the_previous_step(tmp_path, uninterrupted):
