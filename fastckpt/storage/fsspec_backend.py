@@ -423,15 +423,20 @@ def _bounded_s3_file():
             super().__init__(fs, path, "wb", block_size=_CHUNK,
                              acl=extra.get("ACL", False) or extra.get("acl", False),
                              s3_additional_kwargs=dict(extra),
-                             requester_pays=fs.requester_pays)
+                             # an attribute since s3fs 2026.9; req_kw before
+                             requester_pays=getattr(fs, "requester_pays",
+                                                    bool(getattr(fs, "req_kw", None))))
             self.storage = storage
             self.left_behind: str | None = None
 
         def _call_s3(self, method, *kwarglist, **kwargs):
             body = kwargs.get("Body")
             try:
-                return self.storage._call_s3(method, self.s3_additional_kwargs,
-                                             self._request_payer_kw, *kwarglist,
+                # the arguments S3File._call_s3 passes (s3fs >= 2026.9 adds the payer's)
+                payer = ((self._request_payer_kw,) if hasattr(self, "_request_payer_kw")
+                         else ())
+                return self.storage._call_s3(method, self.s3_additional_kwargs, *payer,
+                                             *kwarglist,
                                              nbytes=len(body) if body is not None else 0,
                                              **kwargs)
             except BaseException as e:
