@@ -92,7 +92,14 @@ class CollectiveTimeoutError(FastCkptError, TimeoutError):
 
 
 class CommitTimeoutError(CollectiveTimeoutError):
-    """Ranks did not all report within the commit deadline; names the missing ranks."""
+    """Ranks did not all report within the commit deadline; names the missing ranks.
+
+    ``outcome_unknown``: this rank never received the coordinator's decision (rank 0 died or
+    its store went away), so the step may have been committed all the same."""
+
+    def __init__(self, message: str, *, outcome_unknown: bool = False, **kw) -> None:
+        self.outcome_unknown = outcome_unknown
+        super().__init__(message, **kw)
 
 
 class SaveFailedError(FastCkptError):

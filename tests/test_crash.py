@@ -123,3 +123,18 @@ def test_dead_peer_fails_commit_within_deadline(root, fault, dead):
     assert f"[{dead}]" in msg and "previous committed checkpoint is intact" in msg
     st = blank(1)
     assert fastckpt.load(st, root) == 1 and torch.equal(st["w"], state_for(1, 1)["w"])
+
+
+def test_rank0_killed_right_after_commit_leaves_a_whole_checkpoint(root):
+    """Rank 0 dies after publishing the manifest and before telling anybody. Rank 1 cannot read
+    the verdict; it must find the manifest, report the save committed and keep its shards (it
+    used to report "nothing was committed" and delete them under a committed manifest)."""
+    out = run(_two_rank_fault, 2, root, env={"FAULT_LATER": "after_manifest@0"},
+              allow_death=True, timeout=60)
+    assert isinstance(out[0], Died) and out[0].exitcode == -signal.SIGKILL
+    assert out[1][0] == "committed", out[1]
+    from fastckpt.tools.verify import verify_step
+    res = verify_step(root, record=False)
+    assert res.step == 2 and not res.problems, res.problems
+    st = blank(1)
+    assert fastckpt.load(st, root) == 2 and torch.equal(st["w"], state_for(2, 1)["w"])

@@ -284,3 +284,61 @@ def test_store_exchange_waits_do_not_block_other_threads():
     t.join()
     assert found == {"x": b"1"} and not missing
     assert took < 1.0, took  # not after the other thread's 3 s wait
+
+
+class _SlowReader(_dist.Exchange):
+    """An in-process exchange where rank 1 (thread "r1") is slow to read the verdict."""
+
+    def __init__(self):
+        super().__init__()
+        self.read_at: float | None = None
+
+    def wait(self, keys, deadline):
+        slow = threading.current_thread().name == "r1" and keys[0].endswith("/outcome")
+        if slow:
+            time.sleep(0.5)
+        found, missing = super().wait(keys, deadline)
+        if slow:
+            self.read_at = time.monotonic()
+        return found, missing
+
+
+def test_coordinator_stays_until_the_verdict_was_read():
+    """Rank 0 hosts the store: if it returned (and its job exited) before the others read the
+    decision, they could not know the step was committed."""
+    ex = _SlowReader()
+    done = {}
+
+    def one(r):
+        done[r] = commit(ex, save_id="s1", rank=r, world_size=2, result={"ok": True},
+                         deadline=time.monotonic() + 10, coordinator=lambda res: {})
+        done[f"t{r}"] = time.monotonic()
+    ts = [threading.Thread(target=one, args=(r,), name=f"r{r}") for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert done[0] == done[1] == {"ok": True}
+    assert done["t0"] >= ex.read_at
+    assert not ex._local  # every key was deleted
+
+
+def _exit_right_after_save(rank, world, root):
+    if rank == 1:  # slow to read rank 0's verdict, as a loaded rank is
+        slow = _dist.Exchange.wait
+
+        def wait(self, keys, deadline):
+            if keys and keys[0].endswith("/outcome"):
+                time.sleep(1.0)
+            return slow(self, keys, deadline)
+        _dist.Exchange.wait = wait
+    fastckpt.save(state_for(1, 1), root, step=1)  # rank 0 then exits: its store goes
+    return True
+
+
+def test_rank0_exiting_after_its_last_save_does_not_fail_the_others(root):
+    from tests.distributed import run
+    assert run(_exit_right_after_save, 2, root, timeout=60) == [True, True]
+    from fastckpt.tools.verify import verify_step
+    res = verify_step(root, record=False)
+    assert res.step == 1 and not res.problems and res.save_id

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 
-from ..errors import FastCkptError
+from ..errors import CommitTimeoutError, FastCkptError
 from ..manifest import schema as fmt
-from ..manifest.discovery import marker_doc, marker_name
+from ..manifest.discovery import marker_doc, marker_name, read_manifest
 from ..options import CheckpointOptions
 from ..retention import apply_retention
 from ..storage import Storage
@@ -186,10 +186,24 @@ class Writer:
                    coordinator=lambda results: self._coordinate(
                        job, results, self.storage.bounded(deadline)))
         except FastCkptError as e:
-            self._discard(job, marker)
-            if local_exc is not None and e.__cause__ is None:
-                raise e from local_exc
-            raise
+            if not getattr(e, "outcome_unknown", False):
+                self._discard(job, marker)
+                if local_exc is not None and e.__cause__ is None:
+                    raise e from local_exc
+                raise
+            # the coordinator may have committed before it became unreachable, and a manifest
+            # may reference this rank's shards: they stay, whatever is found
+            if local_exc is not None or not self._committed_anyway(job):
+                raise CommitTimeoutError(
+                    f"save {plan.save_id} of step {plan.step}: no commit decision from the "
+                    "coordinator, rank(s) [0], within the deadline (rank 0 died, hangs, or its store "
+                    "is unreachable) and the step has no manifest naming this save: not "
+                    "committed; this rank's shards stay (the next commit or `fastckpt gc` "
+                    "removes them); the previous committed checkpoint is intact",
+                    missing_ranks=[0], rank=self.rank, outcome_unknown=True) from (
+                        local_exc or e)
+            log.warning("fastckpt: rank %d: no commit decision from rank 0 for step %d, but "
+                        "the step's manifest names this save: committed", self.rank, plan.step)
         job.handle.timings["commit_s"] = time.perf_counter() - t1
         if self.rank == 0:
             self._housekeep(job)
@@ -198,6 +212,19 @@ class Writer:
         job.handle.timings["total_s"] = time.perf_counter() - job.t0
         for cb in self.on_saved:
             cb(plan.file_size, t1 - t0, job.handle.timings.get("stage_s", 0.0))
+
+    def _committed_anyway(self, job: Job) -> bool:
+        """(background, after the coordinator's decision could not be read) Whether the step's
+        manifest is there and names this save: the coordinator committed, then became
+        unreachable (a job whose rank 0 exited, or was killed, right after its last save)."""
+        st = self.storage.bounded(time.monotonic() + DISCARD_S)
+        try:
+            body = read_manifest(st, job.step_dir, step=job.plan.step)
+        except Exception as e:  # noqa: BLE001 - unknown stays unknown
+            log.warning("fastckpt: rank %d: could not read step %d's manifest: %s", self.rank,
+                        job.plan.step, e)
+            return False
+        return body is not None and body.get("save_id") == job.plan.save_id
 
     def _discard(self, job: Job, marker: str) -> None:
         """(background, after a failed save) Remove this rank's files of the save, so a full
