@@ -342,3 +342,20 @@ def test_rank0_exiting_after_its_last_save_does_not_fail_the_others(root):
     from fastckpt.tools.verify import verify_step
     res = verify_step(root, record=False)
     assert res.step == 1 and not res.problems and res.save_id
+
+
+def _gather_then_exit(rank, world, root):
+    if rank == 1:  # slow to read the values, as a loaded rank is
+        slow = _dist.Exchange.wait
+
+        def wait(self, keys, deadline):
+            time.sleep(1.0)
+            return slow(self, keys, deadline)
+        _dist.Exchange.wait = wait
+    # rank 0 returns (then its process exits, and the store with it) as soon as it has read
+    return _dist.Group(name="exit-test").gather(rank * 10, timeout_s=30, what="test gather")
+
+
+def test_rank0_leaving_after_a_gather_does_not_fail_the_others():
+    from tests.distributed import run
+    assert run(_gather_then_exit, 2, None, timeout=60) == [[0, 10], [0, 10]]

@@ -147,6 +147,10 @@ class Exchange:
         return int(self._store.add(key, amount))
 
 
+#: how long rank 0 waits, at most, for the others to read a gather's values
+GATHER_READ_S = 30.0
+
+
 class Group:
     """The ranks one Checkpointer coordinates with (thread-safe for ``gather`` calls made in
     the same order on every rank, from one thread).
@@ -196,14 +200,28 @@ class Group:
         ex = self.exchange
         ex.set(f"{base}/{self.rank}", json.dumps(value).encode())
         keys = [f"{base}/{r}" for r in range(self.world_size)]
-        found, missing = ex.wait(keys, time.monotonic() + timeout_s)
+        t0 = time.monotonic()
+        found, missing = ex.wait(keys, t0 + timeout_s)
         if missing:
             ranks = [r for r, k in enumerate(keys) if k in missing]
-            raise CollectiveTimeoutError(
-                f"{what}: rank(s) {ranks} did not arrive within {timeout_s:g} s (every rank must "
-                "call it: a rank that does not, or that died, is named here; for a state saved "
-                "by one process, use collective=False)", missing_ranks=ranks, rank=self.rank)
+            waited = time.monotonic() - t0
+            if waited < timeout_s:  # the store answered no more: its host, rank 0, went away
+                why = (f"the c10d store (hosted by rank 0) became unreachable after "
+                       f"{waited:.1f} s: rank 0 exited or died; rank(s) {ranks} had not "
+                       "arrived")
+            else:
+                why = (f"rank(s) {ranks} did not arrive within {timeout_s:g} s (every rank "
+                       "must call it: a rank that does not, or that died, is named here; for a "
+                       "state saved by one process, use collective=False)")
+            raise CollectiveTimeoutError(f"{what}: {why}", missing_ranks=ranks, rank=self.rank)
         out = [json.loads(found[k]) for k in keys]
-        if ex.add(f"{base}/read", 1) >= self.world_size:  # the last reader cleans up
-            ex.delete(keys + [f"{base}/read"])
+        reads = [f"{base}/read/{r}" for r in range(1, self.world_size)]
+        if self.rank:
+            ex.set(reads[self.rank - 1], b"1")
+        else:
+            # rank 0 hosts the store: it stays until the others have read (bounded: they are
+            # all waiting already, each published its value), so a rank 0 that returns and
+            # exits (after raising what every rank agreed on) does not take the values along
+            ex.wait(reads, time.monotonic() + min(timeout_s, GATHER_READ_S))
+            ex.delete(keys + reads)
         return out
