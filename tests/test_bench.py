@@ -217,3 +217,20 @@ def test_the_cli_and_the_bench_library_start_without_torch(tmp_path):
                     if ln.startswith("import time:")]
         assert imported, r.stderr[-2000:]
         assert not [m for m in imported if m == "torch" or m.startswith("torch.")], args
+
+
+@pytest.mark.skipif(C.fio_version() is None, reason="fio is not installed")
+def test_fio_layouts_report_the_slowest_job_and_every_byte(tmp_path):
+    """fio's figure is its own runtime (not the wall clock with its start-up); two jobs at once
+    report the group: every byte, and the slowest job's runtime (fio's job_runtime would sum
+    the jobs', overstating the time)."""
+    size = 32 << 20
+    one = C.run_fio(str(tmp_path / "a.dat"), "write", size, bs="1M", iodepth=4, direct=False)
+    two = C.run_fio(str(tmp_path / "b.dat"), "write", size, bs="1M", iodepth=4, direct=False,
+                    numjobs=2, fallocate="none")
+    assert one["ok"] and two["ok"], (one, two)
+    assert one["io_bytes"] == two["io_bytes"] == size
+    assert sorted(os.listdir(tmp_path)) == ["a.dat", "b.dat.0", "b.dat.1"]
+    assert all(os.path.getsize(tmp_path / f"b.dat.{i}") == size // 2 for i in (0, 1))
+    assert 0 < two["runtime_s"] <= two["job_runtime_s"]
+    assert one["runtime_s"] < one["wall_total_s"]  # its start-up is not counted

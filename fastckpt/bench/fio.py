@@ -55,17 +55,29 @@ def parse_fio_json(text: str, rw: str) -> dict[str, Any]:
 
 def run_fio(filename: str, rw: str, size: int, bs: str = "16M", iodepth: int = 8,
             ioengine: str = "libaio", direct: bool = True, end_fsync: bool | None = None,
-            extra: Iterable[str] = (), timeout: float = 900) -> dict[str, Any]:
+            extra: Iterable[str] = (), timeout: float = 900, numjobs: int = 1,
+            fallocate: str | None = None) -> dict[str, Any]:
     """Run one fio job; return parsed numbers plus the command line and wall time.
 
     For writes ``end_fsync`` defaults to True so the time is "to durable", like
     the fsync'd contenders (fio includes the final fsync in its runtime).
+    ``numjobs`` > 1: that many jobs at once, each on its own file (``filename`` + ``.N``) of
+    ``size / numjobs`` bytes, reported as one group (the runtime is the slowest job's, the
+    bytes the sum). ``fallocate``: fio's ``--fallocate`` (``none``: no preallocation).
     """
     if end_fsync is None:
         end_fsync = "write" in rw
-    cmd = [FIO, f"--name=bench-{rw}", f"--filename={filename}", f"--rw={rw}",
+    if numjobs > 1:
+        where = [f"--directory={os.path.dirname(filename) or '.'}",
+                 f"--filename_format={os.path.basename(filename)}.$jobnum",
+                 f"--numjobs={numjobs}", "--group_reporting", f"--size={size // numjobs}"]
+    else:
+        where = [f"--filename={filename}", f"--size={size}"]
+    cmd = [FIO, f"--name=bench-{rw}", *where, f"--rw={rw}",
            f"--bs={bs}", f"--iodepth={iodepth}", f"--ioengine={ioengine}",
-           f"--direct={int(direct)}", f"--size={size}", "--output-format=json"]
+           f"--direct={int(direct)}", "--output-format=json"]
+    if fallocate is not None:
+        cmd.append(f"--fallocate={fallocate}")
     if end_fsync:
         cmd.append("--end_fsync=1")
     cmd += list(extra)
