@@ -30,7 +30,7 @@ ALLOWED = {
     "tools": {"errors", "options", "storage", "manifest", "retention", "__init__"},
     "engine": {"errors", "options", "storage", "manifest", "retention", "lease"},
     "bench.record": set(),
-    "preempt": {"errors", "options", "engine", "bench.record"},
+    "preempt": {"errors", "options", "engine", "bench.record", "tools"},
     "checkpointer": {"engine", "preempt", "storage"},
     "bench": {"errors", "options", "storage", "manifest", "tools", "engine", "checkpointer",
               "bench.record", "__init__"},
@@ -155,8 +155,10 @@ def test_the_only_ones():
         if _env_reads(ast.parse(src)):
             found["env"].add(mod)
     # `fastckpt resume ROOT -- CMD` gives the command it execs the default signal dispositions
-    # (it installs no handler of its own)
-    assert found == {"signal": {"fastckpt.preempt.signals", "fastckpt.cli.steps"},
+    # (it installs no handler of its own); with --supervise, the supervisor (a separate
+    # process, the ranks' parent) passes the signals on to CMD
+    assert found == {"signal": {"fastckpt.preempt.signals", "fastckpt.cli.steps",
+                                "fastckpt.cli.supervise"},
                      "dist": {"fastckpt.engine.dist"}, "ext": {"fastckpt.storage.native"},
                      "env": set()}, found
     # options.py reads the environment through a mapping it is given (testable); nobody else

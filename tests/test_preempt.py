@@ -537,3 +537,39 @@ def test_watchdog_after_a_finished_stop_keeps_its_exit_code(tmp_path):
     # (the event log was closed with the stop's own "exit" event before the shutdown)
     assert [e for e in _events(root, 0) if e["event"] == "exit"][-1]["code"] == 143
     assert fastckpt.Checkpointer(root).latest_step() is not None
+
+
+def test_late_signal_during_teardown_keeps_the_exit_code(tmp_path):
+    """After the stop's exit event the process only tears down (torch's teardown takes seconds);
+    a second SIGTERM then (Slurm, torchrun and Kubernetes all send more than one) must not turn
+    exit 143 into death by signal 15."""
+    root, ready, tearing = (str(tmp_path / n) for n in ("ck", "ready", "tearing"))
+    script = textwrap.dedent(f"""
+        import atexit, time, torch, fastckpt
+        ck = fastckpt.Checkpointer({root!r}, grace_s=20)
+        st = {{"w": torch.arange(10.0)}}
+        def teardown():  # stands in for torch's and the job's slow teardown
+            open({tearing!r}, "w").close()
+            time.sleep(3)
+        atexit.register(teardown)
+        for step in range(3000):
+            ck.save(st, step=step, on_preempt=True)
+            if step == 2:
+                open({ready!r}, "w").close()
+            time.sleep(0.01)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        for path in (ready, tearing):
+            end = time.monotonic() + 60
+            while not os.path.exists(path) and p.poll() is None and time.monotonic() < end:
+                time.sleep(0.02)
+            assert os.path.exists(path), p.stderr.read()[-2000:] if p.poll() is not None else path
+            p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == preempt.EXIT_PREEMPTED, err[-2000:]
+    assert [e for e in _events(root, 0) if e["event"] == "exit"][-1]["code"] == 143

@@ -37,7 +37,14 @@ def _restore_signals() -> None:
 @click.option("--verify", "do_verify", is_flag=True,
               help="Re-read and check the step's shards first; exit 1 if damaged.")
 @click.option("-q", "--quiet", is_flag=True, help="CMD form: no note on stderr before exec.")
-def resume(root: str, cmd: tuple[str, ...], as_json: bool, do_verify: bool, quiet: bool) -> int:
+@click.option("--supervise", is_flag=True,
+              help="CMD form: run CMD as a child instead of exec; pass stop signals on and exit "
+                   "with the stop code the ranks logged (143/0/144), else CMD's own.")
+@click.option("--signal-as", type=click.Choice(["SIGTERM", "SIGUSR1", "SIGINT"]), default=None,
+              help="With --supervise: send SIGTERM/USR1/USR2/HUP on to CMD as this signal "
+                   "(default: SIGTERM when CMD is torchrun, else the same signal).")
+def resume(root: str, cmd: tuple[str, ...], as_json: bool, do_verify: bool, quiet: bool,
+           supervise: bool, signal_as: str | None) -> int:
     """The newest committed step under ROOT, or run CMD resuming from it.
 
     \b
@@ -46,6 +53,11 @@ def resume(root: str, cmd: tuple[str, ...], as_json: bool, do_verify: bool, quie
                                       FASTCKPT_RESUME_STEP and FASTCKPT_RESUME_PATH set when
                                       a committed step exists (unset otherwise: a fresh
                                       start), and FASTCKPT_ROOT always
+    fastckpt resume ROOT --supervise -- torchrun ...
+                                      the same environment, CMD run as a child: stop signals
+                                      passed on (as SIGTERM to torchrun), and the exit code
+                                      is the ranks' stop code (143 preempted) when they
+                                      logged one, else CMD's
 
     The step is the one the engine's resume loads: the newest step directory with a valid
     manifest. Newer steps whose manifest is damaged are skipped, each named in a warning on
@@ -94,11 +106,16 @@ def resume(root: str, cmd: tuple[str, ...], as_json: bool, do_verify: bool, quie
         if not quiet:
             what = (f"resuming from step {found[0]} ({env[ENV_PATH]})" if found is not None
                     else f"no committed checkpoint under {rootd}: starting fresh")
-            _echo(f"fastckpt: {what}; exec {' '.join(cmd)}", err=True)
+            how = "run" if supervise else "exec"
+            _echo(f"fastckpt: {what}; {how} {' '.join(cmd)}", err=True)
         sys.stdout.flush()
         sys.stderr.flush()
         _restore_signals()
         try:
+            if supervise:
+                from . import supervise as sup
+                return sup.run(cmd, env, events=sup.events_dir(root), signal_as=signal_as,
+                               echo=lambda m: _echo(m, err=True))
             os.execvpe(cmd[0], list(cmd), env)
         except FileNotFoundError:
             raise CliError(f"command not found: {cmd[0]}", EXIT_NOT_FOUND,

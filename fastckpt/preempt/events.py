@@ -12,6 +12,8 @@ import threading
 import time
 from typing import Any
 
+from ..tools.events import job_exit_code  # noqa: F401 - re-exported: the reader is torch-free
+
 
 class EventLog:
     """JSON-lines events of one rank, flushed per line. Thread-safe; never used by a handler."""
@@ -49,25 +51,3 @@ class EventLog:
                 self._f = None
 
 
-def job_exit_code(events_dir: str) -> int | None:
-    """The job's exit code from the ranks' event logs: the highest last ``exit`` code, None if
-    no rank logged one. For launchers that hide the workers' codes (torchrun exits 1):
-    ``torchrun ...; exit $(python -m fastckpt.preempt ROOT/events)``."""
-    codes = []
-    for name in sorted(os.listdir(events_dir)):
-        if not (name.startswith("rank") and name.endswith(".jsonl")):
-            continue
-        last = None
-        with open(os.path.join(events_dir, name)) as f:
-            for line in f:
-                try:
-                    e = json.loads(line)
-                except ValueError:
-                    continue
-                if e.get("event") == "armed":
-                    last = None  # a newer run of the job starts here
-                elif e.get("event") == "exit":
-                    last = e.get("code")
-        if last is not None:
-            codes.append(int(last))
-    return max(codes) if codes else None

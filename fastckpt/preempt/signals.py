@@ -95,15 +95,19 @@ class SignalTrap:
             self.trapped.append(signame(s))
         self._old_wakeup = signal.set_wakeup_fd(self._wfd, warn_on_full_buffer=False)
 
-    def close(self) -> None:
-        """(main thread) Give the signals back to their earlier handlers. Idempotent."""
+    def close(self, *, ignore: bool = False) -> None:
+        """(main thread) Give the signals back to their earlier handlers; ``ignore``: ignore
+        them instead, for a process on its way out after its stop (a late SIGTERM during the
+        interpreter's and torch's teardown, seconds long, would turn the stop's exit code into
+        death by that signal, which schedulers read differently). Idempotent."""
         global _active
         if not self.forked and threading.current_thread() is threading.main_thread():
             try:
                 if self._rfd >= 0:
                     signal.set_wakeup_fd(self._old_wakeup)
                 for s, old in self.old_handlers.items():
-                    signal.signal(s, old if old is not None else signal.SIG_DFL)
+                    signal.signal(s, signal.SIG_IGN if ignore else
+                                  old if old is not None else signal.SIG_DFL)
             except Exception as e:  # noqa: BLE001
                 log.warning("fastckpt: could not restore signal handlers: %s", e)
         self.old_handlers = {}

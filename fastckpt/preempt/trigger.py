@@ -129,7 +129,7 @@ class Preemption:
                    grace_source=self.grace_source, platform=self.platform,
                    consensus=self.opts.preempt_consensus, world_size=self.world)
 
-    def close(self) -> None:
+    def close(self, *, ignore_signals: bool = False) -> None:
         if self._closed.is_set():
             return
         self._closed.set()
@@ -137,7 +137,7 @@ class Preemption:
             self._watchdog.cancel()
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=2.0)
-        self.trap.close()
+        self.trap.close(ignore=ignore_signals)
         self.event.close()
 
     def request_stop(self, *, cancel: bool = False) -> None:
@@ -480,7 +480,9 @@ class Preemption:
             except Exception:
                 pass
             os._exit(code)
-        self.close()
+        # from here the process only tears down (seconds, with torch): late signals are ignored
+        # so that the orchestrator sees this exit code, not death by its second SIGTERM
+        self.close(ignore_signals=True)
         try:
             self.ckpt.close()
         except Exception as e:

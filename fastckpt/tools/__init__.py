@@ -9,6 +9,8 @@ and without torch (job scripts call the CLI before every start; it must be quick
   plain values (``fastckpt inspect``);
 * :func:`plan_gc` / :func:`run_gc` -- which steps a clean-up removes and why, and removing them;
   :func:`stale_uploads` / :func:`abort_uploads` -- unfinished multipart uploads (``fastckpt gc``);
+* :func:`~fastckpt.tools.events.job_exit_code` -- the job's exit code from the preemption
+  event logs the ranks wrote (``fastckpt resume --supervise``, ``python -m fastckpt.preempt``);
 * :func:`parse_size` / :func:`human_bytes` -- ``"4GiB"`` <-> ``4294967296``.
 
 Every function takes a root (a path or an fsspec URL) or an open :class:`~fastckpt.storage.Storage`

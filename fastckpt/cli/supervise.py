@@ -1,0 +1,98 @@
+"""``fastckpt resume ROOT --supervise -- CMD``: run CMD as a child, pass the stop signals on,
+and exit with the job's code. Torch-free.
+
+Why not exec: a launcher between the job system and the ranks decides what the job system
+sees. torchrun dies of SIGUSR1 (Slurm's usual ``--signal``) without telling its workers, and
+exits 1 after its workers saved and exited 143, so the job ends FAILED and is never requeued.
+Here the supervisor is the process the job system signals:
+
+1. it starts CMD (same process group, same environment plus FASTCKPT_RESUME_*),
+2. every stop signal it receives goes to CMD: SIGINT as SIGINT, and SIGTERM, SIGUSR1, SIGUSR2
+   and SIGHUP as ``--signal-as`` (default: SIGTERM when CMD is torchrun, which forwards only
+   SIGTERM/SIGINT to its workers; else the same signal),
+3. when CMD has exited it ignores further signals and exits with the stop's code the ranks
+   logged in the event log of this run (143 preempted, 0 cancelled, 144 failed: see
+   docs/preemption.md), or CMD's own code when no rank logged a stop (a normal finish or a
+   crash), 128 + N when CMD died of signal N.
+
+It waits for CMD as long as CMD runs (the training job itself); the job system's SIGKILL
+bounds that, as it bounds every process of the job.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+#: signals passed on to CMD (SIGINT as itself, the rest as ``signal_as``)
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
+
+
+def is_torchrun(cmd: tuple[str, ...]) -> bool:
+    """CMD is torchrun (``torchrun ...`` or ``python -m torch.distributed.run ...``)."""
+    if not cmd:
+        return False
+    if os.path.basename(cmd[0]) == "torchrun":
+        return True
+    return any(a == "-m" and b in ("torch.distributed.run", "torch.distributed.launch")
+               for a, b in zip(cmd, cmd[1:]))
+
+
+def events_dir(root: str) -> str | None:
+    """Where the ranks log their stop: the ``event_log`` option (FASTCKPT_EVENT_LOG), else
+    ``ROOT/events`` for a local root; None for a remote root without it (the ranks' log is
+    not on this machine)."""
+    from ..options import options_from_env
+    try:
+        configured = options_from_env().event_log
+    except ValueError:  # another FASTCKPT_* variable is bad: the ranks will say so
+        configured = None
+    if configured:
+        return configured
+    if "://" in root and not root.startswith("file://"):
+        return None
+    return os.path.join(root.removeprefix("file://"), "events")
+
+
+def run(cmd: tuple[str, ...], env: dict, *, events: str | None, signal_as: str | None,
+        echo) -> int:
+    """Run CMD to its end; the job's exit code (see the module's docstring)."""
+    from ..tools.events import job_exit_code
+    as_sig = signal.Signals[signal_as] if signal_as else (
+        signal.SIGTERM if is_torchrun(cmd) else None)
+    started = time.time()
+    child = subprocess.Popen(list(cmd), env=env)
+    received: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        received.append(signum)
+        to = signum if signum == signal.SIGINT or as_sig is None else as_sig
+        try:
+            child.send_signal(to)
+        except ProcessLookupError:
+            pass
+
+    sigs = [signal.SIGINT] + [signal.Signals[n] for n in STOP_SIGNALS]
+    for s in sigs:
+        signal.signal(s, forward)
+    while True:
+        try:
+            rc = child.wait()
+            break
+        except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for clarity
+            continue
+    for s in sigs:  # from here only the exit code is left to compute: nothing may kill that
+        signal.signal(s, signal.SIG_IGN)
+    own = 128 - rc if rc < 0 else rc
+    logged = job_exit_code(events, since=started) if events else None
+    names = ", ".join(signal.Signals(s).name for s in received) or "none"
+    if logged is not None:
+        echo(f"fastckpt: {cmd[0]} exited {own}; the ranks logged a stop with exit code "
+             f"{logged} (signals passed on: {names}): exiting {logged}")
+        return logged
+    if received:
+        echo(f"fastckpt: {cmd[0]} exited {own} after signals {names}; no rank logged a stop "
+             f"in {events}: exiting {own}")
+    return own

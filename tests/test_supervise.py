@@ -1,0 +1,104 @@
+"""``fastckpt resume ROOT --supervise -- torchrun ...`` with a real torchrun and 2 gloo workers:
+the stop signal reaches the workers (torchrun dies of SIGUSR1 and forwards only SIGTERM), and
+the job's exit code is the ranks' stop code (torchrun itself exits 1 after they exit 143);
+plus ``python -m fastckpt.preempt``'s exit-code recipe after a normal finish."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fastckpt import preempt
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(REPO, "tests", "torchrun_worker.py")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            "2"]
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+
+
+def _supervised(root, progress, steps, *extra):
+    return subprocess.Popen(
+        [sys.executable, "-m", "fastckpt.cli", "resume", root, "--supervise", "--",
+         *TORCHRUN, WORKER, root, str(steps), progress, *extra],
+        env=_env(), stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_steps(progress, n, p, timeout=120):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and p.poll() is None:
+        if os.path.exists(progress) and len(open(progress).read().split()) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no {n} steps (exit {p.poll()}): "
+                         + (p.stderr.read()[-3000:] if p.poll() is not None else ""))
+
+
+def _finish(p, timeout=120):
+    try:
+        _, err = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    return p.returncode, err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+def test_supervised_torchrun_stops_saves_and_exits_143(tmp_path, sig):
+    root, progress = str(tmp_path / "ck"), str(tmp_path / "progress")
+    p = _supervised(root, progress, 100000)
+    _wait_steps(progress, 5, p)
+    p.send_signal(sig)  # to the supervisor only, as Slurm's --signal=B: does
+    rc, err = _finish(p)
+    assert rc == preempt.EXIT_PREEMPTED, err[-3000:]
+    assert "the ranks logged a stop with exit code 143" in err
+    events = os.path.join(root, "events")
+    assert preempt.job_exit_code(events) == 143
+    commits = []
+    for r in (0, 1):
+        evs = [json.loads(line) for line in open(os.path.join(events, f"rank{r:05d}.jsonl"))]
+        commits.append([e["step"] for e in evs if e["event"] == "commit"][-1])
+    assert commits[0] == commits[1] >= 4
+    # and the requeued job resumes from it and runs to the end
+    p = _supervised(root, progress, commits[0] + 4)
+    rc, err = _finish(p)
+    assert rc == 0, err[-3000:]
+    assert f"resuming from step {commits[0]}" in err
+
+
+def test_supervised_crash_keeps_the_launchers_code(tmp_path):
+    root, progress = str(tmp_path / "ck"), str(tmp_path / "progress")
+    rc, err = _finish(_supervised(root, progress, 50, "3"))
+    assert rc == 1, err[-3000:]  # torchrun's: a crash, not a stop
+    assert "crashing at step 3" in err
+
+
+def test_exit_code_recipe_after_a_normal_finish_and_without_events(tmp_path):
+    def code(*args):
+        r = subprocess.run([sys.executable, "-m", "fastckpt.preempt", *args],
+                           capture_output=True, text=True, env=_env())
+        assert r.stdout.strip() == str(r.returncode), (r.stdout, r.stderr)
+        return r.returncode, r.stderr
+    missing = str(tmp_path / "nothing" / "events")
+    assert code(missing, "0")[0] == 0  # a normal finish: no traceback, no "none"
+    assert code(missing, "1")[0] == 1
+    rc, err = code(missing)
+    assert rc == 1 and "pass $? as the second argument" in err
+    ev = tmp_path / "events"
+    ev.mkdir()
+    t = time.time()
+    (ev / "rank00000.jsonl").write_text(
+        json.dumps({"event": "armed", "t": t}) + "\n" + json.dumps({"event": "exit", "code": 143,
+                                                                   "t": t + 1}) + "\n")
+    (ev / "rank00001.jsonl").write_text(json.dumps({"event": "armed", "t": t}) + "\n")
+    assert code(str(ev), "1")[0] == 143  # the ranks' stop wins over torchrun's 1
+    assert preempt.job_exit_code(str(ev), since=t + 5) is None  # an earlier run's stop
