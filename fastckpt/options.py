@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, replace
 
 
@@ -187,3 +188,38 @@ def cli_settings(environ: dict | None = None) -> dict:
     return {"no_progress": bool(env.get("FASTCKPT_NO_PROGRESS")),
             "native": env.get("FASTCKPT_NATIVE")}
 
+
+
+def first_slurm_host(nodelist: str) -> str | None:
+    """The first host of a Slurm hostlist (``gpu[007-010,12],cpu1`` -> ``gpu007``,
+    ``rack[1-2]-n[3-4]`` -> ``rack1-n3``); None for an empty list."""
+    out, i, nodelist = [], 0, nodelist.strip()
+    while i < len(nodelist) and nodelist[i] != ",":
+        if nodelist[i] == "[":
+            j = nodelist.index("]", i)
+            out.append(re.split(r"[,-]", nodelist[i + 1:j])[0])
+            i = j + 1
+        else:
+            out.append(nodelist[i])
+            i += 1
+    return "".join(out) or None
+
+
+def torch_env_from_slurm(environ: dict | None = None) -> dict[str, str]:
+    """RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT for a rank that ``srun`` started
+    (one task per rank, no torchrun), from SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID,
+    the first host of SLURM_STEP_NODELIST (else SLURM_JOB_NODELIST) and a port from
+    SLURM_JOB_ID (29500 + job id mod 20000). Only the variables not already set; {} outside
+    an srun step (the batch script has SLURM_PROCID=0 too, but no SLURM_STEP_NUM_TASKS: mapping
+    there would make one process wait for ranks that never start)."""
+    env = os.environ if environ is None else environ
+    if "SLURM_PROCID" not in env or not env.get("SLURM_STEP_NUM_TASKS", "").isdigit():
+        return {}
+    want = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_STEP_NUM_TASKS"],
+            "LOCAL_RANK": env.get("SLURM_LOCALID", "0")}
+    host = first_slurm_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
+    if host:
+        want["MASTER_ADDR"] = host
+    if env.get("SLURM_JOB_ID", "").isdigit():
+        want["MASTER_PORT"] = str(29500 + int(env["SLURM_JOB_ID"]) % 20000)
+    return {k: v for k, v in want.items() if k not in env}

@@ -102,3 +102,36 @@ def test_exit_code_recipe_after_a_normal_finish_and_without_events(tmp_path):
     (ev / "rank00001.jsonl").write_text(json.dumps({"event": "armed", "t": t}) + "\n")
     assert code(str(ev), "1")[0] == 143  # the ranks' stop wins over torchrun's 1
     assert preempt.job_exit_code(str(ev), since=t + 5) is None  # an earlier run's stop
+
+
+# ------------------------------------------------- srun tasks: torch.distributed's variables
+# Simulated: the SLURM_* variables srun sets are written by the test (no Slurm runs here).
+
+def test_first_host_of_a_slurm_hostlist():
+    from fastckpt.options import first_slurm_host
+    assert first_slurm_host("gpu[007-010,12],cpu1") == "gpu007"
+    assert first_slurm_host("node3") == "node3"
+    assert first_slurm_host("rack[1-2]-n[3-4],x") == "rack1-n3"
+    assert first_slurm_host("a-[08,09]") == "a-08"
+    assert first_slurm_host("") is None
+
+
+def test_srun_task_gets_torch_variables_and_the_batch_script_does_not(tmp_path):
+    from fastckpt.options import torch_env_from_slurm
+    task = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8",
+            "SLURM_LOCALID": "1", "SLURM_STEP_NODELIST": "gpu[003-004]"}
+    assert torch_env_from_slurm(task) == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                                          "MASTER_ADDR": "gpu003", "MASTER_PORT": "33742"}
+    assert torch_env_from_slurm({**task, "RANK": "0", "MASTER_PORT": "1"}) == {
+        "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "gpu003"}  # set ones are kept
+    batch = {k: v for k, v in task.items() if k != "SLURM_STEP_NUM_TASKS"}
+    assert torch_env_from_slurm(batch) == {}  # the batch step: SLURM_PROCID=0 but no step
+    # through the CLI: the exec'd command sees them; torchrun (which sets its own) does not
+    show = [sys.executable, "-c",
+            "import os; print(os.environ.get('RANK'), os.environ.get('WORLD_SIZE'))"]
+    env = {k: v for k, v in _env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                          "MASTER_ADDR", "MASTER_PORT")}
+    r = subprocess.run([sys.executable, "-m", "fastckpt.cli", "resume", str(tmp_path / "ck"),
+                        "--", *show], env={**env, **task}, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.split() == ["5", "8"], r.stderr
+    assert "from Slurm: RANK=5 WORLD_SIZE=8" in r.stderr

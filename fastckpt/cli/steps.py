@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..options import torch_env_from_slurm
 from .base import (ENV_PATH, ENV_ROOT, ENV_STEP, EXIT_CODES_HELP, EXIT_NO_CHECKPOINT,
                    EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, EXIT_OK, EXIT_PROBLEM, CliError,
                    _add_row, _echo, _emit_json, _hb, _not_found, _print_table, _progress, _rate,
@@ -103,6 +104,12 @@ def resume(root: str, cmd: tuple[str, ...], as_json: bool, do_verify: bool, quie
         if found is not None:
             env[ENV_STEP] = str(found[0])
             env[ENV_PATH] = display_path(storage, found[1])
+        from .supervise import is_torchrun
+        mapped = {} if is_torchrun(cmd) else torch_env_from_slurm(env)
+        env.update(mapped)  # a rank srun started: torch.distributed's variables from Slurm's
+        if mapped and not quiet:
+            _echo("fastckpt: from Slurm: " + " ".join(f"{k}={v}" for k, v in mapped.items()),
+                  err=True)
         if not quiet:
             what = (f"resuming from step {found[0]} ({env[ENV_PATH]})" if found is not None
                     else f"no committed checkpoint under {rootd}: starting fresh")
