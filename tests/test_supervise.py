@@ -61,6 +61,9 @@ def test_supervised_torchrun_stops_saves_and_exits_143(tmp_path, sig):
     rc, err = _finish(p)
     assert rc == preempt.EXIT_PREEMPTED, err[-3000:]
     assert "the ranks logged a stop with exit code 143" in err
+    sup = [json.loads(line) for line in open(os.path.join(root, "events", "supervisor.jsonl"))]
+    assert sup[-1]["event"] == "supervisor_exit" and sup[-1]["code"] == 143
+    assert 0 <= sup[-1]["teardown_s"] < 60  # measured: the ranks' exit event to torchrun's end
     events = os.path.join(root, "events")
     assert preempt.job_exit_code(events) == 143
     commits = []

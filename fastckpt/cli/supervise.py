@@ -59,7 +59,7 @@ def events_dir(root: str) -> str | None:
 def run(cmd: tuple[str, ...], env: dict, *, events: str | None, signal_as: str | None,
         echo) -> int:
     """Run CMD to its end; the job's exit code (see the module's docstring)."""
-    from ..tools.events import job_exit_code
+    from ..tools.events import last_exits
     as_sig = signal.Signals[signal_as] if signal_as else (
         signal.SIGTERM if is_torchrun(cmd) else None)
     started = time.time()
@@ -85,14 +85,34 @@ def run(cmd: tuple[str, ...], env: dict, *, events: str | None, signal_as: str |
             continue
     for s in sigs:  # from here only the exit code is left to compute: nothing may kill that
         signal.signal(s, signal.SIG_IGN)
+    ended = time.time()
     own = 128 - rc if rc < 0 else rc
-    logged = job_exit_code(events, since=started) if events else None
+    exits = last_exits(events, since=started) if events else []
+    logged = max(int(e["code"]) for e in exits) if exits else None
     names = ", ".join(signal.Signals(s).name for s in received) or "none"
     if logged is not None:
+        # the ranks' (and the launcher's) teardown after their exit event: not in the grace
+        # budget yet, so the window has to leave this much free (docs/preemption.md)
+        teardown = max(0.0, ended - max(float(e["t"]) for e in exits))
         echo(f"fastckpt: {cmd[0]} exited {own}; the ranks logged a stop with exit code "
-             f"{logged} (signals passed on: {names}): exiting {logged}")
+             f"{logged} (signals passed on: {names}); teardown after the exit event "
+             f"{teardown:.1f} s: exiting {logged}")
+        _record(events, {"event": "supervisor_exit", "code": logged, "launcher_code": own,
+                         "teardown_s": round(teardown, 3), "signals": names})
         return logged
     if received:
         echo(f"fastckpt: {cmd[0]} exited {own} after signals {names}; no rank logged a stop "
              f"in {events}: exiting {own}")
     return own
+
+
+def _record(events: str | None, rec: dict) -> None:
+    """One line in ``events/supervisor.jsonl`` (best effort: the exit code matters more)."""
+    if not events:
+        return
+    try:
+        import json
+        with open(os.path.join(events, "supervisor.jsonl"), "a", encoding="utf-8") as f:
+            f.write(json.dumps({"t": round(time.time(), 6), "pid": os.getpid(), **rec}) + "\n")
+    except OSError:
+        pass
