@@ -162,6 +162,9 @@ def snapshot(trainer) -> dict:
 def fsdp_rank(rank: int, world: int, kind: str, pretrained: str, root: str, phase: str) -> dict:
     """(tests.distributed.run) ``phase`` "reference+stop": an uninterrupted run, then a run
     that saves and stops; "resume": a fresh process resuming from ``root``."""
+    # one thread, and accelerate must not raise it to 2 (it does when OMP_NUM_THREADS is
+    # unset): two runs of the same steps then differed in the last bits of a loss (CI, once)
+    os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     every, stop, keep = (5, 7, None) if kind == "gpt2" else (3, 7, 1)
     if phase == "resume":
@@ -174,6 +177,7 @@ def fsdp_rank(rank: int, world: int, kind: str, pretrained: str, root: str, phas
 
 
 if __name__ == "__main__":  # python -m tests.hf_run SPEC.json OUT.pt: a run in a fresh process
+    os.environ["OMP_NUM_THREADS"] = "1"  # (see fsdp_rank)
     torch.set_num_threads(1)
     spec = json.load(open(sys.argv[1]))
     torch.save(train(**spec), sys.argv[2])
