@@ -21,6 +21,7 @@ bounds that, as it bounds every process of the job.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -77,12 +78,7 @@ def run(cmd: tuple[str, ...], env: dict, *, events: str | None, signal_as: str |
     sigs = [signal.SIGINT] + [signal.Signals[n] for n in STOP_SIGNALS]
     for s in sigs:
         signal.signal(s, forward)
-    while True:
-        try:
-            rc = child.wait()
-            break
-        except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for clarity
-            continue
+    rc = child.wait()  # the handlers run in between; the wait resumes (PEP 475)
     for s in sigs:  # from here only the exit code is left to compute: nothing may kill that
         signal.signal(s, signal.SIG_IGN)
     ended = time.time()
@@ -111,7 +107,6 @@ def _record(events: str | None, rec: dict) -> None:
     if not events:
         return
     try:
-        import json
         with open(os.path.join(events, "supervisor.jsonl"), "a", encoding="utf-8") as f:
             f.write(json.dumps({"t": round(time.time(), 6), "pid": os.getpid(), **rec}) + "\n")
     except OSError:
