@@ -167,9 +167,9 @@ class Engine:
         else:  # an emergency save: a failure nobody observed must not stop it
             earlier = self._take_previous_failure()
         user_meta = check_user_meta(user_meta)
-        plan, data = self._plan(state, step)
+        plan, data = self._plan(state, step, deadline)
         if not self._claimed:
-            self._claim_root()
+            self._claim_root(deadline)
         stager = self._device_stager(data)
         # a blocking save on a local file system is written straight from the tensors (the
         # caller does not touch them until it returns): no staging copy, no staging memory
@@ -197,7 +197,16 @@ class Engine:
             handle.wait()
         return handle
 
-    def _plan(self, state: dict, step: int) -> tuple[Any, dict]:
+    def _wait_s(self, deadline: float | None) -> float:
+        """How long a collective step of a save may wait: ``plan_timeout_s``, and for an
+        emergency save never past its deadline (a peer that died before sending its plan is
+        named then, not when the watchdog ends the process)."""
+        if deadline is None:
+            return self.options.plan_timeout_s
+        return max(0.05, min(self.options.plan_timeout_s, deadline - time.monotonic()))
+
+    def _plan(self, state: dict, step: int,
+              deadline: float | None = None) -> tuple[Any, dict]:
         """(steps 2-3) Flatten the state and agree on the plan with every rank."""
         error = None
         specs: list = []
@@ -218,10 +227,10 @@ class Engine:
         gathered = self.group.gather(
             {"save_id": uuid.uuid4().hex[:12], "specs": specs, "tree": tree, "error": error,
              "aliases": aliases},
-            timeout_s=self.options.plan_timeout_s, what=f"save of step {step}: the plan exchange")
+            timeout_s=self._wait_s(deadline), what=f"save of step {step}: the plan exchange")
         return make_plan(gathered, self.rank, step), data
 
-    def _claim_root(self) -> None:
+    def _claim_root(self, deadline: float | None = None) -> None:
         """(step 4, first save) The root is writable and, on the coordinator, the writer lease
         is held; a failure on any rank is raised on every rank."""
         error: FastCkptError | None = None
@@ -237,7 +246,7 @@ class Engine:
             error = e
         statuses = self.group.gather(
             {"setup": None if error is None else [type(error).__name__, str(error)]},
-            timeout_s=self.options.plan_timeout_s, what="first save: claiming the root")
+            timeout_s=self._wait_s(deadline), what="first save: claiming the root")
         raise_setup_errors(statuses, error)
         self._claimed = True
 
