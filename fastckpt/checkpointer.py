@@ -36,6 +36,10 @@ class Checkpointer(Engine):
     def __init__(self, root: str | os.PathLike | Storage, **kwargs: Any) -> None:
         super().__init__(root, **kwargs)
         self._preempt: Any = None
+        #: called before an emergency exit (e.g. by trackers), each with a dict: ``code``,
+        #: ``reason``, ``step``, ``cancel``, ``rank``, ``world_size``; bounded (see
+        #: ``fastckpt.preempt.trigger.EXIT_HOOK_S``), never changes the exit code
+        self.on_exit: list = []
         if self.options.grace_s is not None or self.options.preempt:
             self._install_preemption()
 

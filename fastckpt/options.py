@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 from dataclasses import dataclass, replace
 
 
@@ -46,12 +47,19 @@ class CheckpointOptions:
 
     grace_s: seconds from the first stop signal to the platform's SIGKILL (None: the platform
         default, see ``platform_grace``). FASTCKPT_GRACE_S.
+    signal_grace_s: {signal name: seconds} for signals whose window differs from ``grace_s``,
+        e.g. under Slurm ``{"SIGUSR1": 95, "SIGTERM": 10}`` (``--signal=B:USR1@95``; scancel,
+        the time limit and preemption give KillWait). FASTCKPT_SIGNAL_GRACE_S="SIGTERM=10,...".
     preempt: install the signal trap at construction even without ``grace_s``.
     preempt_signals: signals that mean "preempted, save and restart me". FASTCKPT_PREEMPT_SIGNALS.
     cancel_signals: signals that mean "save and stop for good" (exit 0), e.g. ("SIGINT",).
     preempt_consensus: "store" (out of band over the c10d store, no per-step collective) or
         "allreduce" (a gather of the stop flags on every ``on_preempt`` call).
     preempt_margin_s: seconds of the grace window kept for the barrier and the exit.
+    teardown_s: seconds a rank needs after its exit event until the process is gone (torch's
+        and the launcher's teardown), kept out of the grace window. None: the longest teardown
+        ``fastckpt resume --supervise`` measured in ``<root>/events/supervisor.jsonl`` (its
+        last 5 runs), else ``min(2, grace_s / 10)``. FASTCKPT_TEARDOWN_S.
     preempt_exit: exit the process after the emergency checkpoint (False: ``save`` returns and
         ``Checkpointer.preemption.exit_code`` says what to exit with).
     assumed_write_mibps: shard write bandwidth assumed before any save was measured.
@@ -72,11 +80,13 @@ class CheckpointOptions:
     strict: bool = True
     staging_cap_bytes: int | None = None
     grace_s: float | None = None
+    signal_grace_s: dict | None = None
     preempt: bool = False
     preempt_signals: tuple = ("SIGTERM", "SIGUSR1")
     cancel_signals: tuple = ()
     preempt_consensus: str = "store"
     preempt_margin_s: float = 1.0
+    teardown_s: float | None = None
     preempt_exit: bool = True
     assumed_write_mibps: float = 200.0
     event_log: str | None = None
@@ -112,6 +122,14 @@ class CheckpointOptions:
                                  "(use names such as 'SIGTERM', 'SIGUSR1', 'SIGINT')")
         if set(self.preempt_signals) & set(self.cancel_signals):
             raise ValueError("a signal cannot be in both preempt_signals and cancel_signals")
+        for name, secs in (self.signal_grace_s or {}).items():
+            if not isinstance(name, str) or not isinstance(getattr(signal, name.upper(), None),
+                                                          signal.Signals):
+                raise ValueError(f"signal_grace_s: {name!r} is not a signal name (e.g. SIGTERM)")
+            if not (isinstance(secs, (int, float)) and secs > 0):
+                raise ValueError(f"signal_grace_s[{name!r}] must be > 0 seconds, got {secs!r}")
+        if self.teardown_s is not None and not (self.teardown_s >= 0):
+            raise ValueError(f"teardown_s must be >= 0 seconds or None, got {self.teardown_s!r}")
         if not (self.preempt_margin_s >= 0) or not (self.assumed_write_mibps > 0):
             raise ValueError("preempt_margin_s must be >= 0 and assumed_write_mibps > 0")
 
@@ -125,7 +143,7 @@ def options_from_env(base: CheckpointOptions | None = None,
 
     FASTCKPT_NATIVE=auto|require|off, FASTCKPT_DIRECT_IO=0|1, FASTCKPT_ZERO_COPY=0|1,
     FASTCKPT_COMMIT_TIMEOUT_S=seconds, FASTCKPT_PLAN_TIMEOUT_S=seconds,
-    FASTCKPT_GRACE_S=seconds, FASTCKPT_PREEMPT_SIGNALS=SIGTERM,SIGUSR1, FASTCKPT_EVENT_LOG=dir.
+    FASTCKPT_GRACE_S=seconds, FASTCKPT_SIGNAL_GRACE_S=SIGTERM=10,..., FASTCKPT_TEARDOWN_S=seconds, FASTCKPT_PREEMPT_SIGNALS=SIGTERM,SIGUSR1, FASTCKPT_EVENT_LOG=dir.
     """
     env = os.environ if environ is None else environ
     base = base or CheckpointOptions()
@@ -138,6 +156,22 @@ def options_from_env(base: CheckpointOptions | None = None,
         changes["zero_copy"] = env["FASTCKPT_ZERO_COPY"].strip() not in ("0", "false", "no", "")
     if "FASTCKPT_GRACE_S" in env:
         changes["grace_s"] = float(env["FASTCKPT_GRACE_S"])
+    if "FASTCKPT_SIGNAL_GRACE_S" in env:
+        grace = {}
+        for item in env["FASTCKPT_SIGNAL_GRACE_S"].split(","):
+            if not item.strip():
+                continue
+            name, sep, secs = item.partition("=")
+            try:
+                grace[name.strip().upper()] = float(secs)
+            except ValueError:
+                raise ValueError(f"FASTCKPT_SIGNAL_GRACE_S: {item.strip()!r} is not "
+                                 "SIGNAL=SECONDS (e.g. SIGTERM=10,SIGUSR1=95)") from None
+            if not sep:
+                raise ValueError(f"FASTCKPT_SIGNAL_GRACE_S: {item.strip()!r} has no '='")
+        changes["signal_grace_s"] = grace
+    if "FASTCKPT_TEARDOWN_S" in env:
+        changes["teardown_s"] = float(env["FASTCKPT_TEARDOWN_S"])
     if "FASTCKPT_PREEMPT_SIGNALS" in env:
         changes["preempt_signals"] = tuple(
             n.strip().upper() for n in env["FASTCKPT_PREEMPT_SIGNALS"].split(",") if n.strip())

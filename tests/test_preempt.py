@@ -186,6 +186,23 @@ def test_sigterm_all_ranks_staggered_with_a_long_step(tmp_path, baseline):
     _check_resume_exact(tmp_path, 2, cfg, stop, baseline)
 
 
+def test_the_same_notice_twice_does_not_cut_the_budget(tmp_path):
+    """Slurm signals every process of a step and torchrun passes SIGTERM on too: a rank gets
+    the same notice twice within milliseconds. That is one notice, not an impatient
+    orchestrator (a second signal over 1 s later halves the budget: the test above)."""
+    cfg = _cfg(tmp_path, "run")
+    procs = launch(2, cfg)
+    _wait_step(cfg["out"], "run", 0, 3, procs)
+    os.kill(procs[0].pid, signal.SIGTERM)
+    time.sleep(0.05)
+    os.kill(procs[0].pid, signal.SIGUSR1)
+    assert _wait(procs, 60) == [preempt.EXIT_PREEMPTED] * 2
+    evs = _events(cfg["root"], 0)
+    assert [e["signal"] for e in evs if e["event"] == "signal"] == ["SIGTERM", "SIGUSR1"]
+    assert not [e for e in evs if e["event"] == "budget_cut"]
+    assert _one(evs, "decision")["decision"] == "save"
+
+
 def test_signal_while_async_save_in_flight(tmp_path, baseline):
     # 3 MiB per rank at 3 MiB/s: the periodic save of step 3 is in flight for about a second
     cfg = _cfg(tmp_path, "run", mib=3, throttle_mibps=3, save_steps=[3], step_s=0.03)
@@ -421,6 +438,42 @@ def test_handlers_chained_and_restored(root):
         assert signal.set_wakeup_fd(-1) == -1  # our wakeup fd was removed
     finally:
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("sig,window", [(signal.SIGUSR1, 40.0), (signal.SIGTERM, 6.0)])
+def test_each_signal_gets_its_own_window(root, sig, window):
+    """Slurm: --signal=B:USR1@T gives T s (+ KillWait); scancel's SIGTERM gives KillWait. The
+    deadline counts from the signal that came, with that signal's window, less the teardown."""
+    ck = fastckpt.Checkpointer(root, grace_s=40, preempt_exit=False, teardown_s=0.5,
+                               signal_grace_s={"SIGTERM": 6.0})
+    try:
+        t0 = time.time()
+        os.kill(os.getpid(), sig)
+        st = _plain_state()
+        for step in range(200):
+            if ck.save(st, step=step, on_preempt=True) is not None:
+                break
+            time.sleep(0.01)
+        evs = [json.loads(line) for line in open(os.path.join(root, "events", "rank00000.jsonl"))]
+        armed = [e for e in evs if e["event"] == "armed"][-1]
+        assert armed["signal_grace_s"] == {"SIGTERM": 6.0} and armed["teardown_s"] == 0.5
+        dec = [e for e in evs if e["event"] == "decision"][-1]
+        # left = window - teardown - margin (1 s) - the time since the signal
+        took = dec["t"] - t0
+        assert window - 1.5 - took - 0.2 <= dec["left_s"] <= window - 1.5 + 0.05, (dec, took)
+        assert ck.preemption.exit_code == 143
+    finally:
+        ck.close()
+
+
+def test_signal_windows_from_the_environment():
+    from fastckpt.options import options_from_env
+    o = options_from_env(environ={"FASTCKPT_SIGNAL_GRACE_S": "SIGTERM=10, sigusr1=95.5",
+                                  "FASTCKPT_TEARDOWN_S": "3"})
+    assert o.signal_grace_s == {"SIGTERM": 10.0, "SIGUSR1": 95.5} and o.teardown_s == 3.0
+    for bad in ("SIGTERM", "SIGTERM=x", "NOPE=3", "SIGTERM=0"):
+        with pytest.raises(ValueError, match="SIGNAL_GRACE_S|signal name|must be > 0|no '='"):
+            options_from_env(environ={"FASTCKPT_SIGNAL_GRACE_S": bad})
 
 
 def test_forked_worker_does_not_act(root):

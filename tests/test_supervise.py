@@ -76,6 +76,28 @@ def test_supervised_torchrun_stops_saves_and_exits_143(tmp_path, sig):
     rc, err = _finish(p)
     assert rc == 0, err[-3000:]
     assert f"resuming from step {commits[0]}" in err
+    # the requeued ranks kept the measured teardown out of their grace window
+    armed = [json.loads(line) for line in open(os.path.join(events, "rank00000.jsonl"))
+             if '"armed"' in line][-1]
+    assert armed["teardown_source"].startswith("measured by the supervisor"), armed
+    assert armed["teardown_s"] == pytest.approx(
+        min(sup[-1]["teardown_s"] * 1.25 + 0.25, armed["grace_s"] / 2), abs=2e-3)
+
+
+def test_teardown_reserve_from_measurements_configuration_or_default(tmp_path):
+    from fastckpt.preempt.trigger import teardown_reserve
+    ev = tmp_path / "events"
+    assert teardown_reserve(None, 30.0, str(ev)) == (2.0, "default (not measured)")
+    assert teardown_reserve(None, 5.0, None) == (0.5, "default (not measured)")
+    assert teardown_reserve(3.5, 30.0, str(ev)) == (3.5, "configured")
+    ev.mkdir()
+    with open(ev / "supervisor.jsonl", "w") as f:
+        for t in (9.0, 1.0, 1.2, "x", 2.0, 1.1, 0.9, -1):  # 9.0 is older than the last 5
+            f.write(json.dumps({"event": "supervisor_exit", "teardown_s": t}) + "\n")
+        f.write("not json\n")
+    secs, source = teardown_reserve(None, 30.0, str(ev))
+    assert secs == pytest.approx(2.0 * 1.25 + 0.25) and "2.00 s" in source
+    assert teardown_reserve(None, 4.0, str(ev))[0] == 2.0  # never more than half the window
 
 
 def test_supervised_crash_keeps_the_launchers_code(tmp_path):

@@ -58,6 +58,11 @@ EXIT_FAILED = 144
 
 POLL_S = 0.1  # how often a watcher probes the store for a stop
 HARD_EXTRA_S = 3.0  # the watchdog ends a process still alive this long after the deadline
+EXIT_HOOK_S = 5.0  # at most this long for the ``on_exit`` hooks (trackers), within the deadline
+#: a signal this soon after a rank's first one is the same notice delivered twice (Slurm signals
+#: every process of a step, and torchrun or a supervisor passes it on too): no budget cut
+SAME_NOTICE_S = 1.0
+TEARDOWN_DEFAULT_S = 2.0  # teardown reserve when none was measured (at most grace / 10)
 
 _lock = threading.Lock()
 _instances = 0  # per-process count: the same on every rank if all create Checkpointers alike
@@ -84,6 +89,13 @@ class Preemption:
             self.platform = platform_grace()[0]
         else:
             self.platform, self.grace_s, self.grace_source = platform_grace()
+        # a signal whose window differs from grace_s (Slurm: --signal=B:USR1@T gives T s +
+        # KillWait, scancel's SIGTERM gives KillWait)
+        self.signal_grace = {int(getattr(signal, n.upper())): float(v)
+                             for n, v in (opts.signal_grace_s or {}).items()}
+        self.teardown_s, self.teardown_source = teardown_reserve(
+            opts.teardown_s, self.grace_s,
+            os.path.join(ckpt.storage.root, "events") if ckpt.storage.is_local else None)
         self.preempt_sigs = {int(getattr(signal, n)) for n in opts.preempt_signals}
         self.cancel_sigs = {int(getattr(signal, n)) for n in opts.cancel_signals}
         with _lock:
@@ -104,6 +116,7 @@ class Preemption:
         self.failure: _PeerLost | None = None
         self.cancel = False
         self.first_signal_wall: float | None = None
+        self.kill_wall: float | None = None  # when the platform's SIGKILL is expected
         self.deadline: float | None = None  # time.monotonic()
         self.exit_code: int | None = None
         self.stopped = False
@@ -112,6 +125,7 @@ class Preemption:
         self._published = False
         self._samples: list[tuple[int, float, float]] = []  # (bytes, write_s, stage_s)
         self._closed = threading.Event()
+        self._hooks_ran = False
         self._watcher: threading.Thread | None = None
         self._watchdog: threading.Timer | None = None
         ckpt.on_saved.append(self.record_save)
@@ -127,6 +141,8 @@ class Preemption:
         self._watcher.start()
         self.event("armed", signals=self.trap.trapped, grace_s=self.grace_s,
                    grace_source=self.grace_source, platform=self.platform,
+                   signal_grace_s={signame(k): v for k, v in self.signal_grace.items()} or None,
+                   teardown_s=self.teardown_s, teardown_source=self.teardown_source,
                    consensus=self.opts.preempt_consensus, world_size=self.world)
 
     def close(self, *, ignore_signals: bool = False) -> None:
@@ -186,18 +202,25 @@ class Preemption:
         if cancel:
             self.cancel = True
         if len(self._local) == 1:
-            self._set_deadline(t_wall)
-        elif self.deadline is not None:
+            self._set_deadline(t_wall, t_wall + self.signal_grace.get(signum, self.grace_s))
+        elif self.deadline is not None and t_wall - self._local[0][1] > SAME_NOTICE_S:
             # a second signal: the orchestrator is impatient; halve what is left of the budget
             left = self.deadline - time.monotonic()
             self.deadline = time.monotonic() + max(0.0, left / 2)
             self._arm_watchdog()
             self.event("budget_cut", left_s=round(max(0.0, left / 2), 3), nth=len(self._local))
 
-    def _set_deadline(self, first_wall: float) -> None:
+    def _set_deadline(self, first_wall: float, kill_wall: float | None = None) -> None:
+        """A signal at ``first_wall`` (Unix time) whose SIGKILL comes at ``kill_wall`` (default:
+        ``grace_s`` later): the deadline is the earliest kill known, less the teardown."""
         if self.first_signal_wall is None or first_wall < self.first_signal_wall:
             self.first_signal_wall = first_wall
-            dl = time.monotonic() + (first_wall + self.grace_s - time.time())
+        kill_wall = first_wall + self.grace_s if kill_wall is None else kill_wall
+        if self.kill_wall is None or kill_wall < self.kill_wall:
+            self.kill_wall = kill_wall
+            # the process must be gone by the kill: its teardown after the exit event
+            # (measured by the supervisor, or the default reserve) is not the save's
+            dl = time.monotonic() + (kill_wall - self.teardown_s - time.time())
             self.deadline = dl if self.deadline is None else min(self.deadline, dl)
             self._arm_watchdog()
 
@@ -213,7 +236,7 @@ class Preemption:
         self.pending = True
         passed = self.last_seen  # after pending=True: the training thread passes nothing later
         mine = {"passed": passed, "first_signal": self._local[0][1] if self._local else None,
-                "cancel": self.cancel}
+                "kill_at": self.kill_wall if self._local else None, "cancel": self.cancel}
         t_learn = time.time()
         try:
             self.ex.set(f"{self.prefix}/step/{self.rank}", json.dumps(mine).encode())
@@ -229,8 +252,9 @@ class Preemption:
         reports = [json.loads(found[k]) for k in keys]
         steps = [r["passed"] for r in reports if r["passed"] is not None]
         firsts = [r["first_signal"] for r in reports if r["first_signal"] is not None]
+        kills = [r.get("kill_at") for r in reports if r.get("kill_at") is not None]
         if firsts:
-            self._set_deadline(min(firsts))
+            self._set_deadline(min(firsts), min(kills) if kills else None)
         self.cancel = self.cancel or any(r["cancel"] for r in reports)
         self.stop_step = max(steps) + 1 if steps else -1
         first = min(firsts) if firsts else t_learn
@@ -286,6 +310,9 @@ class Preemption:
         code = self.exit_code if self.exit_code is not None else EXIT_FAILED
         missing = self.failure.missing if self.failure else None
         what = "the shutdown" if self.exit_code is not None else "the emergency path"
+        if self.exit_code is None:  # the trackers are told, briefly: the process is past due
+            self._run_exit_hooks(code, f"watchdog: {what} still running after the deadline",
+                                 limit_s=1.0)
         self.event("exit", code=code, reason=f"watchdog: {what} still running "
                    f"{HARD_EXTRA_S:.0f} s after the grace deadline", missing=missing)
         self.event.close()
@@ -313,14 +340,16 @@ class Preemption:
 
     def _check_allreduce(self, state: dict, step: int) -> Any:
         local = self._local[0][1] if self._local else None
-        flags = self.group.gather([local, self.cancel], timeout_s=self.opts.plan_timeout_s,
+        kill = self.kill_wall if self._local else None
+        flags = self.group.gather([local, self.cancel, kill], timeout_s=self.opts.plan_timeout_s,
                                   what=f"preemption check at step {step}")
-        firsts = [f for f, _ in flags if f is not None]
+        firsts = [f for f, _, _ in flags if f is not None]
         if not firsts:
             return None
         self.pending = True
-        self.cancel = any(c for _, c in flags)
-        self._set_deadline(min(firsts))
+        self.cancel = any(c for _, c, _ in flags)
+        kills = [k for _, _, k in flags if k is not None]
+        self._set_deadline(min(firsts), min(kills) if kills else None)
         self.stop_step = step
         self.event("consensus", stop_step=step, mode="allreduce",
                    agreed_after_s=round(time.time() - min(firsts), 4), cancel=self.cancel)
@@ -461,7 +490,37 @@ class Preemption:
         self.stopped = True
         self._finish(step, error, None)
 
+    def _run_exit_hooks(self, code: int, reason: str, limit_s: float | None = None) -> None:
+        """``Checkpointer.on_exit`` hooks (trackers): each gets a dict with the exit code, the
+        reason, the stop step, whether it is a cancellation, and this rank. They run in a
+        thread given at most EXIT_HOOK_S and never past the deadline; one that is still
+        running then is left behind (logged), the exit goes on."""
+        hooks = list(getattr(self.ckpt, "on_exit", ()))
+        if not hooks or self._hooks_ran:
+            return
+        self._hooks_ran = True
+        info = {"code": code, "reason": reason, "step": self.stop_step, "cancel": self.cancel,
+                "rank": self.rank, "world_size": self.world}
+
+        def run() -> None:
+            for h in hooks:
+                try:
+                    h(dict(info))
+                except Exception as e:  # noqa: BLE001 - a tracker must not change the exit
+                    log.warning("fastckpt: rank %d: exit hook %r failed: %s", self.rank, h, e)
+        t0 = time.monotonic()
+        th = threading.Thread(target=run, name="fastckpt-exit-hooks", daemon=True)
+        th.start()
+        th.join(limit_s if limit_s is not None else
+                max(0.2, min(EXIT_HOOK_S, self._dl() - time.monotonic())))
+        self.event("exit_hooks", n=len(hooks), seconds=round(time.monotonic() - t0, 4),
+                   finished=not th.is_alive())
+        if th.is_alive():
+            log.warning("fastckpt: rank %d: exit hooks still running after %.1f s: left behind",
+                        self.rank, time.monotonic() - t0)
+
     def _exit(self, code: int, reason: str, missing: list[int], clean: bool) -> None:
+        self._run_exit_hooks(code, reason)
         if not self.opts.preempt_exit:
             self.event("exit", code=code, reason=reason, missing=missing or None, exiting=False)
             return
@@ -488,6 +547,32 @@ class Preemption:
         except Exception as e:
             log.warning("fastckpt: close after the emergency checkpoint: %s", e)
         raise SystemExit(code)
+
+
+def teardown_reserve(configured: float | None, grace_s: float,
+                     events_dir: str | None) -> tuple[float, str]:
+    """(seconds kept out of the grace window for the process's teardown, how it is known)."""
+    if configured is not None:
+        return float(configured), "configured"
+    measured = []
+    if events_dir:
+        try:
+            with open(os.path.join(events_dir, "supervisor.jsonl"), encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        v = json.loads(line).get("teardown_s")
+                    except (ValueError, AttributeError):
+                        continue
+                    if isinstance(v, (int, float)) and 0 <= v < 3600:
+                        measured.append(float(v))
+        except OSError:
+            pass
+    if measured:
+        worst = max(measured[-5:])
+        # a measurement can not take the whole window: at most half of it
+        return round(min(worst * 1.25 + 0.25, grace_s / 2), 3), (
+            f"measured by the supervisor (worst of the last {len(measured[-5:])}: {worst:.2f} s)")
+    return round(min(TEARDOWN_DEFAULT_S, grace_s / 10), 3), "default (not measured)"
 
 
 def _destroy_process_group() -> None:
