@@ -38,7 +38,13 @@ __all__ = [
 ]
 
 
+#: submodules reachable as attributes after a bare ``import fastckpt`` (imported on first use)
+_SUBMODULES = ("trackers", "dcp", "lightning", "hf", "torchtitan", "preempt")
+
+
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'fastckpt' has no attribute {name!r}")
