@@ -42,3 +42,14 @@ def read_bench(root: str, path: str | None = None) -> dict | None:
     if not isinstance(doc.get("version"), int) or doc["version"] > BENCH_VERSION:
         return None
     return doc
+
+
+def measured_grace(root: str) -> tuple[int, str] | None:
+    """(grace window in seconds, where it comes from) from ``fastckpt bench ROOT``'s record, for
+    the job scripts (``fastckpt slurm``, ``fastckpt k8s``); None when there is none."""
+    rec = read_bench(root) or {}
+    g = rec.get("grace") if isinstance(rec.get("grace"), dict) else {}
+    if not isinstance(g.get("seconds"), int) or g["seconds"] <= 0:
+        return None
+    return g["seconds"], (f"fastckpt bench record in {root} ({rec.get('measured', 'unknown date')}"
+                          f": {g.get('state_bytes')} bytes at {g.get('save_bytes_per_s')} B/s)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from contextlib import contextmanager
@@ -160,6 +161,59 @@ def _not_found(storage: Any, step: int | None) -> CliError:
                         EXIT_NO_CHECKPOINT, hint="see fastckpt ls")
     return CliError(f"step {step} has no committed checkpoint under {rootd} (not committed, "
                     "or absent)", EXIT_NO_CHECKPOINT, hint="see fastckpt ls")
+
+
+class SizeType(click.ParamType):
+    """A size option: ``4GiB``, ``512MB``, ``1e9`` (bytes), at least ``minimum``."""
+    name = "SIZE"
+
+    def __init__(self, minimum: int = 1) -> None:
+        self.minimum = minimum
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        if isinstance(value, int):
+            n = value
+        else:
+            from ..tools import parse_size
+            try:
+                n = parse_size(value)
+            except ValueError as e:
+                self.fail(str(e), param, ctx)
+        if n < self.minimum:
+            self.fail("must be positive" if self.minimum == 1 else f"must be >= {self.minimum}",
+                      param, ctx)
+        return n
+
+
+def write_or_print(text: str, output: str | None) -> None:
+    """A generated file (job script, manifest) to ``output``, else to stdout."""
+    if output:
+        with open(output, "w", encoding="utf-8") as f:
+            f.write(text)
+        _echo(f"wrote {output}", err=True)
+    else:
+        _echo(text.rstrip("\n"))
+
+
+def grace_window(root: str, grace: int | None) -> tuple[int, str]:
+    """The grace window a job script is built for: ``--grace``, else what ``fastckpt bench
+    ROOT`` measured for the state (exit 2 with what to do when there is neither)."""
+    if grace is not None:
+        return grace, "--grace"
+    from ..bench.record import measured_grace
+    found = measured_grace(root)
+    if found is None:
+        raise CliError(f"no grace window: {root} has no `fastckpt bench` record", EXIT_USAGE,
+                       hint=f"run `fastckpt bench {root} --size <state size>` on this storage "
+                       "first, or give --grace SECONDS")
+    return found
+
+
+def job_name(root: str, fallback: str = "train") -> str:
+    """A job name from the root's last component (lowercase letters, digits, '-')."""
+    base = os.path.basename(root.rstrip("/")) or fallback
+    name = re.sub(r"[^a-z0-9-]+", "-", base.lower()).strip("-")[:50] or fallback
+    return f"{name}-{fallback}" if not name[0].isalnum() else name
 
 
 def _when(t: float | None) -> str:

@@ -4,43 +4,19 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
 
 import click
 
 from ..errors import StorageError
 from .base import (EXIT_CODES_HELP, EXIT_OK, EXIT_PROBLEM, EXIT_STORAGE, EXIT_USAGE, CliError,
                    _add_row, _echo, _emit_json, _hb, _print_table, _progress, _rate, _set_json,
-                   _storage, _table, cli)
+                   SizeType, _storage, _table, cli)
 
 # ---------------------------------------------------------------------------------- bench
 
-def _size_type(text: str) -> int:
-    from ..tools import parse_size
-    try:
-        n = parse_size(text)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
-    if n <= 0:
-        raise click.BadParameter("must be positive")
-    return n
-
-
-class _Size(click.ParamType):
-    name = "SIZE"
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> int:
-        if isinstance(value, int):
-            return value
-        try:
-            return _size_type(value)
-        except click.BadParameter as e:
-            self.fail(str(e.message), param, ctx)
-
-
 @cli.command(epilog=EXIT_CODES_HELP)
 @click.argument("target")
-@click.option("--size", type=_Size(), default="1GiB", show_default=True,
+@click.option("--size", type=SizeType(), default="1GiB", show_default=True,
               help="State size to benchmark (model + optimizer, all ranks together).")
 @click.option("--ranks", type=click.IntRange(1, 1024), default=1, show_default=True,
               help="Local processes (gloo on 127.0.0.1), each saving its share.")
@@ -49,7 +25,7 @@ class _Size(click.ParamType):
 @click.option("--warmup/--no-warmup", default=True, show_default=True,
               help="An untimed first round of every contender (its fastckpt save is reported "
                    "as a process's first save).")
-@click.option("--state-size", type=_Size(), default=None,
+@click.option("--state-size", type=SizeType(), default=None,
               help="The real job's state size for the grace window (default: --size).")
 @click.option("--step-drain", type=float, default=30.0, show_default=True, metavar="S",
               help="Seconds to finish the running training step.")

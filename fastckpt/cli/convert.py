@@ -11,7 +11,7 @@ import click
 from ..errors import FastCkptError, StorageError
 from .base import (EXIT_OK, EXIT_PROBLEM, EXIT_STORAGE, EXIT_USAGE, CliError, _echo,
                    _emit_json, _hb, _progress, _rate, _set_json, _storage, cli)
-from .benchcmd import _Size
+from .base import SizeType
 
 CONVERT_EXIT_CODES = """\b
 Exit codes:
@@ -32,7 +32,7 @@ Exit codes:
                    "checkpoint-N, global_stepN or iter-N, else 0).")
 @click.option("--force", is_flag=True, help="Replace the step if it is already committed "
               "under ROOT (atomically: the old one stays loadable until the new commit).")
-@click.option("--batch-size", "batch", type=_Size(), default="1GiB", show_default=True,
+@click.option("--batch-size", "batch", type=SizeType(), default="1GiB", show_default=True,
               help="Tensor bytes read from SRC and held in memory at once.")
 @click.option("--exclude", multiple=True, metavar="GLOB",
               help="Leave out the values whose dotted key path (or a parent's) matches, e.g. "

@@ -14,7 +14,8 @@ import click
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..options import torch_env_from_slurm
 from .base import (ENV_PATH, ENV_ROOT, ENV_STEP, EXIT_CODES_HELP, EXIT_NO_CHECKPOINT,
-                   EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, EXIT_OK, EXIT_PROBLEM, CliError,
+                   EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE,
+                   CliError,
                    _add_row, _echo, _emit_json, _hb, _not_found, _print_table, _progress, _rate,
                    _set_json, _storage, _table, _when, cli)
 
@@ -44,8 +45,12 @@ def _restore_signals() -> None:
 @click.option("--signal-as", type=click.Choice(["SIGTERM", "SIGUSR1", "SIGINT"]), default=None,
               help="With --supervise: send SIGTERM/USR1/USR2/HUP on to CMD as this signal "
                    "(default: SIGTERM when CMD is torchrun, else the same signal).")
+@click.option("--requeue", is_flag=True,
+              help="With --supervise in a Slurm batch script: when the ranks exit 143 "
+                   "(preempted, checkpoint committed), requeue the job (scontrol requeue, "
+                   "StartTime=now); a cancelled job is not requeued.")
 def resume(root: str, cmd: tuple[str, ...], as_json: bool, do_verify: bool, quiet: bool,
-           supervise: bool, signal_as: str | None) -> int:
+           supervise: bool, signal_as: str | None, requeue: bool) -> int:
     """The newest committed step under ROOT, or run CMD resuming from it.
 
     \b
@@ -65,6 +70,9 @@ def resume(root: str, cmd: tuple[str, ...], as_json: bool, do_verify: bool, quie
     stderr; if every manifest is damaged, nothing runs (exit 1).
     """
     _set_json(as_json and not cmd)
+    if requeue and not supervise:
+        raise CliError("--requeue needs --supervise (the supervisor requeues after CMD exits)",
+                       EXIT_USAGE)
     from ..manifest.discovery import read_small_json
     from ..tools import (VERIFIED_PREFIX, display_path, newest_committed, not_found_hint,
                          step_data_bytes)
@@ -122,7 +130,7 @@ def resume(root: str, cmd: tuple[str, ...], as_json: bool, do_verify: bool, quie
             if supervise:
                 from . import supervise as sup
                 return sup.run(cmd, env, events=sup.events_dir(root), signal_as=signal_as,
-                               echo=lambda m: _echo(m, err=True))
+                               echo=lambda m: _echo(m, err=True), requeue=requeue)
             os.execvpe(cmd[0], list(cmd), env)
         except FileNotFoundError:
             raise CliError(f"command not found: {cmd[0]}", EXIT_NOT_FOUND,

@@ -9,11 +9,16 @@ Here the supervisor is the process the job system signals:
 1. it starts CMD (same process group, same environment plus FASTCKPT_RESUME_*),
 2. every stop signal it receives goes to CMD: SIGINT as SIGINT, and SIGTERM, SIGUSR1, SIGUSR2
    and SIGHUP as ``--signal-as`` (default: SIGTERM when CMD is torchrun, which forwards only
-   SIGTERM/SIGINT to its workers; else the same signal),
+   SIGTERM/SIGINT to its workers; else the same signal). When CMD is srun only SIGUSR1 and
+   SIGUSR2 are passed on: srun passes those through to its tasks but turns SIGTERM, SIGHUP and
+   SIGQUIT into SIGKILL, and Slurm sends its own SIGTERM (scancel, time limit, preemption) to
+   the step's tasks itself,
 3. when CMD has exited it ignores further signals and exits with the stop's code the ranks
    logged in the event log of this run (143 preempted, 0 cancelled, 144 failed: see
    docs/preemption.md), or CMD's own code when no rank logged a stop (a normal finish or a
-   crash), 128 + N when CMD died of signal N.
+   crash), 128 + N when CMD died of signal N,
+4. with ``--requeue``, inside a Slurm job: on 143 it requeues the job (``scontrol requeue``,
+   ``StartTime=now``; not a cancelled job), see :mod:`fastckpt.tools.slurm`.
 
 It waits for CMD as long as CMD runs (the training job itself); the job system's SIGKILL
 bounds that, as it bounds every process of the job.
@@ -27,6 +32,7 @@ import signal
 import subprocess
 import time
 
+EXIT_PREEMPTED = 143  # fastckpt.preempt.EXIT_PREEMPTED (this module is torch-free)
 #: signals passed on to CMD (SIGINT as itself, the rest as ``signal_as``)
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
 
@@ -39,6 +45,10 @@ def is_torchrun(cmd: tuple[str, ...]) -> bool:
         return True
     return any(a == "-m" and b in ("torch.distributed.run", "torch.distributed.launch")
                for a, b in zip(cmd, cmd[1:]))
+
+
+def is_srun(cmd: tuple[str, ...]) -> bool:
+    return bool(cmd) and os.path.basename(cmd[0]) == "srun"
 
 
 def events_dir(root: str) -> str | None:
@@ -58,9 +68,23 @@ def events_dir(root: str) -> str | None:
 
 
 def run(cmd: tuple[str, ...], env: dict, *, events: str | None, signal_as: str | None,
-        echo) -> int:
+        echo, requeue: bool = False) -> int:
     """Run CMD to its end; the job's exit code (see the module's docstring)."""
+    code = _run(cmd, env, events=events, signal_as=signal_as, echo=echo)
+    job = env.get("SLURM_JOB_ID")
+    if requeue and code == EXIT_PREEMPTED:
+        if job:
+            from ..tools.slurm import requeue_self
+            requeue_self(job, echo)
+        else:
+            echo("fastckpt: --requeue: not in a Slurm job (no SLURM_JOB_ID): nothing to requeue")
+    return code
+
+
+def _run(cmd: tuple[str, ...], env: dict, *, events: str | None, signal_as: str | None,
+         echo) -> int:
     from ..tools.events import last_exits
+    srun = is_srun(cmd) and not signal_as
     as_sig = signal.Signals[signal_as] if signal_as else (
         signal.SIGTERM if is_torchrun(cmd) else None)
     started = time.time()
@@ -69,6 +93,8 @@ def run(cmd: tuple[str, ...], env: dict, *, events: str | None, signal_as: str |
 
     def forward(signum: int, frame: object) -> None:
         received.append(signum)
+        if srun and signum not in (signal.SIGUSR1, signal.SIGUSR2):
+            return  # Slurm signals the step's tasks itself; srun would SIGKILL them
         to = signum if signum == signal.SIGINT or as_sig is None else as_sig
         try:
             child.send_signal(to)
