@@ -22,8 +22,10 @@ Call sequence (who makes each call):
 4. (all ranks, training thread) emergency path: publish ``est/<rank>`` (bytes to write, measured
    bandwidth, in-flight save); every rank computes the same decision from the same reports
    (save / wait for the in-flight save then save / supersede it / keep it / skip); save with a
-   commit deadline inside the grace window; barrier ``done/<rank>`` with a deadline; destroy the
-   process group; exit with the documented code. A watchdog thread ends the process at
+   commit deadline inside the grace window; barrier ``done/<rank>`` with a deadline; the
+   ``Checkpointer.on_exit`` hooks (trackers; bounded); destroy the process group; exit with the
+   documented code. The deadline is the earliest expected SIGKILL (each signal's window:
+   ``signal_grace_s``, else ``grace_s``) less the process's teardown (``teardown_reserve``). A watchdog thread ends the process at
    ``deadline + HARD_EXTRA_S`` whatever the training thread is blocked in.
 """
 
