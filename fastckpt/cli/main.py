@@ -27,7 +27,7 @@ import click
 
 from ..errors import CheckpointNotFoundError, FastCkptError, StorageError
 from . import base
-from . import benchcmd, convert, k8s, slurm, steps  # noqa: F401 - the commands register themselves
+from . import benchcmd, convert, drill, k8s, slurm, steps  # noqa: F401 - the commands register themselves
 from .base import (EXIT_BROKEN_PIPE, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NO_CHECKPOINT,
                    EXIT_PROBLEM, EXIT_STORAGE, CliError, _emit_json, cli)
 
