@@ -85,7 +85,7 @@ def test_supervised_torchrun_stops_saves_and_exits_143(tmp_path, sig):
 
 
 def test_teardown_reserve_from_measurements_configuration_or_default(tmp_path):
-    from fastckpt.preempt.trigger import teardown_reserve
+    from fastckpt.preempt.budget import teardown_reserve
     ev = tmp_path / "events"
     assert teardown_reserve(None, 30.0, str(ev)) == (2.0, "default (not measured)")
     assert teardown_reserve(None, 5.0, None) == (0.5, "default (not measured)")

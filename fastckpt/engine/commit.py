@@ -1,27 +1,34 @@
 """The cross-rank commit: one function, an injected exchange, one deadline.
 
-Call sequence for one save (``save_id`` agreed when the save was planned):
+Call sequence for one save (``save_id`` agreed when the save was planned); every wait is one
+server-side wait on the exchange (no polling), and the store work is O(1) per rank:
 
 1. (all ranks)     write and fsync the rank's shard, then publish a result under
                    ``{save_id}/result/{rank}``: ``{"ok": true, ...}`` or ``{"ok": false, "error": ...}``.
-2. (coordinator)   wait for every rank's result until the deadline. If all are ok, call
-                   ``coordinator(results)``, which writes the manifest (the commit point) and
-                   returns a small JSON-able dict; publish the outcome under ``{save_id}/outcome``.
-                   Missing ranks, failed ranks or a failed manifest write publish a failure.
+2. (coordinator)   wait for every rank's result until the deadline (one wait for all the keys,
+                   then ``multi_get``). If all are ok, call ``coordinator(results)``, which
+                   writes the manifest (the commit point) and returns a small JSON-able dict;
+                   publish the outcome under ``{save_id}/outcome``. Missing ranks, failed ranks
+                   or a failed manifest write publish a failure naming them.
 3. (other ranks)   wait for the outcome until the deadline + ``OUTCOME_GRACE_S`` (the
                    coordinator decides at the deadline, and its verdict names the missing ranks),
-                   then acknowledge under ``{save_id}/ack/{rank}``.
-4. (coordinator)   wait for the acknowledgements of the ranks that reported (bounded by the
-                   time they wait for the outcome), then delete the keys. Rank 0 hosts the
-                   store in a torch.distributed job: a coordinator that returned at once and
-                   exited (a job ending after its last save) took the verdict with it, and a
-                   rank that cannot read the verdict cannot know whether the step committed.
+                   delete their own result key, then acknowledge: append ``"<rank>,"`` to
+                   ``{save_id}/acks`` and count ``{save_id}/nack``; the rank that brings the
+                   count to the number of ranks that reported sets ``{save_id}/acked``.
+4. (coordinator)   wait for ``acked`` (bounded by the time the others wait for the outcome;
+                   at the deadline ``acks`` names who did not read it), then delete the four
+                   keys. Rank 0 hosts the store in a plain torch.distributed job: a coordinator
+                   that returned at once and exited (a job ending after its last save) took the
+                   verdict with it, and a rank that cannot read the verdict cannot know whether
+                   the step committed.
 5. (all ranks)     raise on failure. A rank that never read the verdict raises
                    :class:`CommitTimeoutError` with ``outcome_unknown`` set: the caller must look
                    for the manifest before treating the save as failed, and must not delete its
                    shards (a committed manifest may reference them).
 
 Nothing here touches storage, so the protocol is testable with threads and a dict exchange.
+A store that stops answering (its host died: see ``dist.store_host``) is a
+:class:`CommitTimeoutError` naming the ranks lost with it.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import time
 from typing import Any, Callable
 
 from ..errors import CommitTimeoutError, SaveFailedError
+from .dist import StoreUnreachable
 
 log = logging.getLogger("fastckpt")
 
@@ -49,52 +57,74 @@ def commit(exchange: Any, *, save_id: str, rank: int, world_size: int, result: d
     ``deadline`` is a ``time.monotonic()`` value. Raises :class:`CommitTimeoutError` (naming
     the missing ranks) or :class:`SaveFailedError` (naming every failing rank).
     """
-    def rkey(r: int) -> str:
-        return f"{save_id}/result/{r}"
-    def akey(r: int) -> str:
-        return f"{save_id}/ack/{r}"
     out_key = f"{save_id}/outcome"
-    exchange.set(rkey(rank), json.dumps(result).encode())
+    mine = f"{save_id}/result/{rank}"
     cause: BaseException | None = None
-    if rank == 0:
-        keys = [rkey(r) for r in range(world_size)]
-        found, missing = exchange.wait(keys, deadline)
-        results = [json.loads(found[k]) if k in found else None for k in keys]
-        failures = {r: res.get("error", "failed") for r, res in enumerate(results)
-                    if res is not None and not res.get("ok")}
-        missing_ranks = [r for r, k in enumerate(keys) if k in missing]
-        outcome: dict[str, Any]
-        if missing_ranks or failures:
-            outcome = {"ok": False, "failures": failures, "missing": missing_ranks}
+    decided = False
+    try:
+        exchange.set(mine, json.dumps(result).encode())
+        if rank == 0:
+            keys = [f"{save_id}/result/{r}" for r in range(world_size)]
+            found, missing = exchange.wait(keys, deadline)
+            results = [json.loads(found[k]) if k in found else None for k in keys]
+            failures = {r: res.get("error", "failed") for r, res in enumerate(results)
+                        if res is not None and not res.get("ok")}
+            missing_ranks = [r for r, k in enumerate(keys) if k in missing]
+            outcome: dict[str, Any]
+            if missing_ranks or failures:
+                outcome = {"ok": False, "failures": failures, "missing": missing_ranks}
+            else:
+                try:
+                    outcome = {"ok": True, **coordinator(results)}
+                except Exception as e:  # the manifest write failed: nothing was committed
+                    cause = e
+                    outcome = {"ok": False, "failures": {0: f"commit failed: {e}"},
+                               "missing": []}
+            decided = True
+            exchange.set(out_key, json.dumps(outcome).encode())
+            exchange.delete([mine])
+            # stay until the ranks that reported have read the verdict (or stopped waiting)
+            readers = world_size - 1 - len(missing_ranks)
+            if readers > 0:
+                _, unread = exchange.wait([f"{save_id}/acked"],
+                                          deadline + OUTCOME_GRACE_S + ACK_SLACK_S)
+                if unread:
+                    acked = _ranks(exchange, f"{save_id}/acks")
+                    late = [r for r in range(1, world_size)
+                            if r not in acked and r not in missing_ranks]
+                    log.warning("fastckpt: save %s: rank(s) %s did not acknowledge the commit "
+                                "decision (%s); they report the save as failed unless they "
+                                "find its manifest", save_id, late,
+                                "committed" if outcome["ok"] else "not committed")
+            exchange.delete([out_key, f"{save_id}/acked", f"{save_id}/acks", f"{save_id}/nack"])
         else:
-            try:
-                outcome = {"ok": True, **coordinator(results)}
-            except Exception as e:  # the manifest write failed: nothing was committed
-                cause = e
-                outcome = {"ok": False, "failures": {0: f"commit failed: {e}"}, "missing": []}
-        exchange.set(out_key, json.dumps(outcome).encode())
-        exchange.delete(keys)
-        # stay until the ranks that reported have read the verdict (or stopped waiting for it)
-        readers = [akey(r) for r in range(1, world_size) if r not in missing_ranks]
-        _, unread = exchange.wait(readers, deadline + OUTCOME_GRACE_S + ACK_SLACK_S)
-        exchange.delete([out_key, *readers])
-        if unread:
-            log.warning("fastckpt: save %s: rank(s) %s did not acknowledge the commit decision "
-                        "(%s); they report the save as failed unless they find its manifest",
-                        save_id, sorted(int(k.rsplit("/", 1)[1]) for k in unread),
-                        "committed" if outcome["ok"] else "not committed")
-    else:
-        # the coordinator decides at the deadline; wait a little longer for its verdict, which
-        # names the ranks that did not report (else every rank would only blame rank 0)
-        found, missing = exchange.wait([out_key], deadline + OUTCOME_GRACE_S)
-        if missing:
+            # the coordinator decides at the deadline; wait a little longer for its verdict,
+            # which names the ranks that did not report (else every rank would blame rank 0)
+            found, missing = exchange.wait([out_key], deadline + OUTCOME_GRACE_S)
+            if missing:
+                raise CommitTimeoutError(
+                    f"save {save_id}: no commit decision from the coordinator, rank(s) [0], "
+                    "within the deadline: rank 0 died or hangs; nothing was committed, the "
+                    "previous committed checkpoint is intact",
+                    missing_ranks=[0], rank=rank, outcome_unknown=True)
+            outcome = json.loads(found[out_key])
+            decided = True
+            exchange.delete([mine])
+            if rank not in (outcome.get("missing") or []):  # too late to count: no ack
+                exchange.append(f"{save_id}/acks", f"{rank},".encode())
+                readers = world_size - 1 - len(outcome.get("missing") or [])
+                if exchange.add(f"{save_id}/nack", 1) == readers:
+                    exchange.set(f"{save_id}/acked", b"1")
+    except StoreUnreachable as e:
+        if rank == 0 and decided:  # the verdict is ours; the peers look for the manifest
+            log.warning("fastckpt: save %s: %s after the decision", save_id, e)
+        else:
             raise CommitTimeoutError(
-                f"save {save_id}: no commit decision from the coordinator, rank(s) [0], within "
-                "the deadline: rank 0 died, hangs, or its store is unreachable; nothing was "
-                "committed, the previous committed checkpoint is intact",
-                missing_ranks=[0], rank=rank, outcome_unknown=True)
-        outcome = json.loads(found[out_key])
-        exchange.set(akey(rank), b"1")
+                f"save {save_id}: {e}; rank(s) {e.ranks} are lost with it. "
+                + ("Nothing was committed, the previous committed checkpoint is intact"
+                   if rank == 0 else "Whether the coordinator committed is unknown: look for "
+                   "the manifest"),
+                missing_ranks=e.ranks, rank=rank, outcome_unknown=rank != 0) from e
     if not outcome["ok"]:
         missing_ranks = outcome.get("missing") or []
         failures = {int(r): m for r, m in outcome.get("failures", {}).items()}
@@ -111,6 +141,12 @@ def commit(exchange: Any, *, save_id: str, rank: int, world_size: int, result: d
                               "previous committed checkpoint is intact", failures=failures,
                               rank=rank) from cause
     return outcome
+
+
+def _ranks(exchange: Any, key: str) -> set[int]:
+    """The ranks appended to ``key`` as ``"<rank>,"`` (empty if it does not exist)."""
+    found, _ = exchange.wait([key], 0.0)
+    return {int(x) for x in found.get(key, b"").decode().split(",") if x.strip().isdigit()}
 
 
 def _late(deadline: float) -> str:

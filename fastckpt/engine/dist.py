@@ -11,6 +11,7 @@ Two channels:
 
 from __future__ import annotations
 
+import datetime
 import json
 import threading
 import time
@@ -61,17 +62,56 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
+class StoreUnreachable(Exception):
+    """The c10d store does not answer: its host is gone (see :func:`store_host`). ``ranks``:
+    the ranks lost with it."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+#: keys per ``multi_get`` (two store commands each) when many values are read at once
+MULTI_GET_BATCH = 1024
+
+
+def store_host() -> tuple[list[int], str]:
+    """The ranks lost together with the process group's c10d store, and where it lives.
+
+    torchrun (``TORCHELASTIC_USE_AGENT_STORE``): in the agent of node 0, whose workers are
+    ranks ``0 .. LOCAL_WORLD_SIZE - 1`` (torchelastic gives node 0 the first ranks; nodes are
+    assumed alike). Otherwise (``init_process_group`` with ``env://`` or ``tcp://``): in rank 0.
+    """
+    import os
+    addr = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        try:
+            n = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        except ValueError:
+            n = 1
+        ranks = list(range(min(n, world_size())))
+        return ranks, f"torchrun's agent on node 0 at {addr}, with rank(s) {ranks}"
+    return [0], f"rank 0 at {addr}"
+
+
 class Exchange:
     """Deadline-bounded key/value exchange between ranks (thread-safe).
 
     Backed by the default process group's store when one is initialised, else by a dict (one
     process). Values are bytes.
+
+    Waiting costs the store nothing: ``wait`` is one server-side c10d ``wait`` for all its keys
+    on a **dedicated connection** (a blocked wait holds its connection; the other threads keep
+    using the shared one), taken from a small pool of clones of the store client, and the
+    values are then read with ``multi_get`` in batches. No key is probed in a loop: a wait for
+    N keys is a handful of commands whatever N, and an idle waiter sends nothing.
     """
 
     def __init__(self, prefix: str = "fastckpt", store: Any = None, *,
                  local: bool = False) -> None:
         self._local: dict[str, bytes] | None = None
         self._cond = threading.Condition()
+        self._idle: list[Any] = []  # dedicated connections not in use (for ``wait``)
         if store is not None:
             self._store = dist.PrefixStore(prefix, store)
         elif initialized() and not local:
@@ -87,10 +127,48 @@ class Exchange:
                 self._local[key] = value  # type: ignore[index]
                 self._cond.notify_all()
         else:
-            self._store.set(key, value)
+            self._call(self._store.set, key, value)
+
+    def get(self, key: str) -> bytes:
+        """The value of a key known to exist (after a ``wait`` that found it)."""
+        if self._store is None:
+            with self._cond:
+                return self._local[key]  # type: ignore[index]
+        return self._call(self._store.get, key)
+
+    def append(self, key: str, value: bytes) -> None:
+        """Append to a key's value (created if absent): one command, no reply to wait for."""
+        if self._store is None:
+            with self._cond:
+                self._local[key] = self._local.get(key, b"") + value  # type: ignore[index,union-attr]
+                self._cond.notify_all()
+        else:
+            self._call(self._store.append, key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        if self._store is None:
+            with self._cond:
+                v = int(self._local.get(key, b"0")) + amount  # type: ignore[union-attr]
+                self._local[key] = str(v).encode()  # type: ignore[index]
+                self._cond.notify_all()
+                return v
+        return int(self._call(self._store.add, key, amount))
+
+    def warm(self, n: int = 1) -> None:
+        """Open ``n`` dedicated connections ahead of need (a stop should not start with
+        connects). Best effort."""
+        if self._store is None:
+            return
+        try:
+            conns = [self._store.clone() for _ in range(n)]
+        except Exception:  # noqa: BLE001 - opened on demand instead
+            return
+        with self._cond:
+            self._idle.extend(conns)
 
     def wait(self, keys: list[str], deadline: float) -> tuple[dict[str, bytes], list[str]]:
-        """Wait until every key exists or the deadline passes; return (found, missing)."""
+        """Wait until every key exists or the deadline (``time.monotonic()``) passes; return
+        (found, missing). Raises :class:`StoreUnreachable` when the store does not answer."""
         if self._store is None:
             with self._cond:
                 while True:
@@ -98,34 +176,45 @@ class Exchange:
                     left = deadline - time.monotonic()
                     if not missing or left <= 0:
                         break
-                    self._cond.wait(min(left, 0.5))
+                    self._cond.wait(left)
                 return {k: self._local[k] for k in keys if k not in missing}, missing  # type: ignore[index]
-        # Poll with short sleeps rather than one blocking ``store.wait``: the c10d client is
-        # shared by every thread of the process and a blocking wait would hold it (the
-        # preemption watcher must get through while a commit waits for its peers).
-        delay = 0.001
-        while True:
-            try:
-                if self._store.check(keys):
-                    break
-            except Exception:  # the store is gone (its host, rank 0, died): nothing will come
-                return {}, list(keys)
+        ok = False
+        while not ok:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, 0.02)
-        missing = [k for k in keys if not self._check(k)]
-        try:
-            return {k: self._store.get(k) for k in keys if k not in missing}, missing
-        except Exception:
-            return {}, list(keys)
+            with self._cond:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                conn = self._call(self._store.clone)
+            try:
+                conn.wait(keys, datetime.timedelta(seconds=left))
+                ok = True
+            except Exception:  # noqa: BLE001 - timed out, or the connection broke
+                conn = None  # the next wait takes a fresh connection
+                ok = self._call(self._store.check, keys)  # raises if the store is gone
+                if not ok and deadline - time.monotonic() > 0.05:
+                    time.sleep(0.01)  # a broken connection, not the deadline: wait again
+            finally:
+                if conn is not None:
+                    with self._cond:
+                        self._idle.append(conn)
+        # the keys are there, or the deadline passed: which are missing (one check each, once)
+        if ok or self._call(self._store.check, keys):
+            return dict(zip(keys, self.get_many(keys))), []
+        missing = [k for k in keys if not self._call(self._store.check, [k])]
+        found = [k for k in keys if k not in missing]
+        return dict(zip(found, self.get_many(found))), missing
 
-    def _check(self, key: str) -> bool:
-        try:
-            return bool(self._store.check([key]))
-        except Exception:
-            return False
+    def get_many(self, keys: list[str]) -> list[bytes]:
+        """The values of keys known to exist, in batches of MULTI_GET_BATCH."""
+        if self._store is None:
+            with self._cond:
+                return [self._local[k] for k in keys]  # type: ignore[index]
+        out: list[bytes] = []
+        for i in range(0, len(keys), MULTI_GET_BATCH):
+            out += self._call(self._store.multi_get, keys[i:i + MULTI_GET_BATCH])
+        return out
 
     def delete(self, keys: list[str]) -> None:
         for k in keys:
@@ -138,13 +227,14 @@ class Exchange:
             except Exception:
                 pass
 
-    def add(self, key: str, amount: int) -> int:
-        if self._store is None:
-            with self._cond:
-                v = int(self._local.get(key, b"0")) + amount  # type: ignore[union-attr]
-                self._local[key] = str(v).encode()  # type: ignore[index]
-                return v
-        return int(self._store.add(key, amount))
+    @staticmethod
+    def _call(fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - a store error: its host is gone (or hangs)
+            ranks, where = store_host()
+            raise StoreUnreachable(f"the c10d store ({where}) is unreachable "
+                                   f"({type(e).__name__}: {str(e)[:200]})", ranks) from e
 
 
 #: how long rank 0 waits, at most, for the others to read a gather's values
@@ -198,30 +288,33 @@ class Group:
         self._seq += 1
         base = f"{self._prefix}/{self._seq}"
         ex = self.exchange
-        ex.set(f"{base}/{self.rank}", json.dumps(value).encode())
         keys = [f"{base}/{r}" for r in range(self.world_size)]
         t0 = time.monotonic()
-        found, missing = ex.wait(keys, t0 + timeout_s)
+        try:
+            ex.set(keys[self.rank], json.dumps(value).encode())
+            found, missing = ex.wait(keys, t0 + timeout_s)
+        except StoreUnreachable as e:
+            raise CollectiveTimeoutError(f"{what}: {e} after {time.monotonic() - t0:.1f} s; "
+                                         f"rank(s) {e.ranks} are lost with it",
+                                         missing_ranks=e.ranks, rank=self.rank) from e
         if missing:
             ranks = [r for r, k in enumerate(keys) if k in missing]
-            waited = time.monotonic() - t0
-            if waited < timeout_s:  # the store answered no more: its host, rank 0, went away
-                why = (f"the c10d store (hosted by rank 0) became unreachable after "
-                       f"{waited:.1f} s: rank 0 exited or died; rank(s) {ranks} had not "
-                       "arrived")
-            else:
-                why = (f"rank(s) {ranks} did not arrive within {timeout_s:g} s (every rank "
-                       "must call it: a rank that does not, or that died, is named here; for a "
-                       "state saved by one process, use collective=False)")
-            raise CollectiveTimeoutError(f"{what}: {why}", missing_ranks=ranks, rank=self.rank)
+            raise CollectiveTimeoutError(
+                f"{what}: rank(s) {ranks} did not arrive within {timeout_s:g} s (every rank "
+                "must call it: a rank that does not, or that died, is named here; for a state "
+                "saved by one process, use collective=False)", missing_ranks=ranks,
+                rank=self.rank)
         out = [json.loads(found[k]) for k in keys]
-        reads = [f"{base}/read/{r}" for r in range(1, self.world_size)]
-        if self.rank:
-            ex.set(reads[self.rank - 1], b"1")
-        else:
-            # rank 0 hosts the store: it stays until the others have read (bounded: they are
-            # all waiting already, each published its value), so a rank 0 that returns and
-            # exits (after raising what every rank agreed on) does not take the values along
-            ex.wait(reads, time.monotonic() + min(timeout_s, GATHER_READ_S))
-            ex.delete(keys + reads)
+        # the values stay until every rank has read them: rank 0 (the store's host unless
+        # torchrun's agent hosts it) must not return and exit with them. The last reader
+        # (a counter: one command per rank) sets ``done``, which rank 0 waits for (bounded:
+        # the others are all reading already, each published its value) before deleting.
+        try:
+            if ex.add(f"{base}/read", 1) == self.world_size:
+                ex.set(f"{base}/done", b"1")
+            if self.rank == 0:
+                ex.wait([f"{base}/done"], time.monotonic() + min(timeout_s, GATHER_READ_S))
+                ex.delete(keys + [f"{base}/read", f"{base}/done"])
+        except StoreUnreachable:
+            pass  # every value was read here; the store's own host is gone with the keys
         return out

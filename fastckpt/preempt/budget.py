@@ -11,6 +11,8 @@ in-flight save after its current file, save the newer step), abandon, skip.
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 
@@ -84,3 +86,33 @@ def decide(reports: list[dict], step: int, margin: float) -> tuple[str, dict]:
     if infl_left <= left:
         return "wait", nums
     return "abandon", nums
+
+
+#: teardown reserve when none was measured (at most grace / 10)
+TEARDOWN_DEFAULT_S = 2.0
+
+
+def teardown_reserve(configured: float | None, grace_s: float,
+                     events_dir: str | None) -> tuple[float, str]:
+    """(seconds kept out of the grace window for the process's teardown, how it is known)."""
+    if configured is not None:
+        return float(configured), "configured"
+    measured = []
+    if events_dir:
+        try:
+            with open(os.path.join(events_dir, "supervisor.jsonl"), encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        v = json.loads(line).get("teardown_s")
+                    except (ValueError, AttributeError):
+                        continue
+                    if isinstance(v, (int, float)) and 0 <= v < 3600:
+                        measured.append(float(v))
+        except OSError:
+            pass
+    if measured:
+        worst = max(measured[-5:])
+        # a measurement can not take the whole window: at most half of it
+        return round(min(worst * 1.25 + 0.25, grace_s / 2), 3), (
+            f"measured by the supervisor (worst of the last {len(measured[-5:])}: {worst:.2f} s)")
+    return round(min(TEARDOWN_DEFAULT_S, grace_s / 10), 3), "default (not measured)"

@@ -11,18 +11,26 @@ Call sequence (who makes each call):
    (``signals.SignalTrap``: handlers that only record, a wakeup fd that wakes the watcher thread
    at once even while the training thread is blocked in a C call or a collective) and the
    watcher thread.
-2. (all ranks, watcher thread) on a local signal: publish ``sig/<rank>`` and bump ``n`` in the
-   store. Every watcher probes ``n`` every ``POLL_S``. A watcher that sees a stop marks the rank
-   *pending* (its next ``on_preempt`` call takes the slow path), reports ``step/<rank>`` = the last
-   step its training thread passed, and waits for every rank's report. The stop step is
-   ``T = max(reported) + 1`` (the first ``on_preempt`` call if no rank passed one yet): no rank
-   has passed ``T``, so every rank stops at ``T``. No collective runs on a training step.
+2. (all ranks, two threads) the *signal thread* waits on the trap's wakeup fd (local, no store
+   traffic). On a local signal it publishes ``sig/<rank>`` and ``stop`` (the signal's time and
+   expected SIGKILL) and sets ``wake/<r>`` for every rank r. The *store watcher* of each rank
+   sits in one server-side wait for its own ``wake/<rank>`` on a dedicated store connection:
+   an idle job sends the store nothing. A woken watcher wakes ranks 2r+1 and 2r+2 (a binary
+   tree: every rank is woken in log2 N hops even if the signalled rank dies half-way), marks
+   the rank *pending* (its next ``on_preempt`` call takes the slow path), and reports the last
+   step its training thread passed: one ``append`` to ``reports`` and one ``add`` to a counter.
+   The rank that brings the counter to N reads the reports once and publishes ``T = max(passed)
+   + 1`` (the first ``on_preempt`` call if no rank passed one yet), with the earliest signal
+   and kill time; every rank waits for ``T`` (one wait, bounded by the deadline; at the
+   deadline the reports name the ranks that did not report). No rank has passed ``T``, so every
+   rank stops at ``T``. No collective runs on a training step; O(1) store commands per rank.
 3. (all ranks, training thread) ``check(state, step)``: ~1 us while no stop is pending. When
    pending: wait for ``T`` (bounded), return None before ``T``; at ``T`` run the emergency path.
-4. (all ranks, training thread) emergency path: publish ``est/<rank>`` (bytes to write, measured
-   bandwidth, in-flight save); every rank computes the same decision from the same reports
-   (save / wait for the in-flight save then save / supersede it / keep it / skip); save with a
-   commit deadline inside the grace window; barrier ``done/<rank>`` with a deadline; the
+4. (all ranks, training thread) emergency path: report ``est`` (bytes to write, measured
+   bandwidth, in-flight save) the same way (append + counter); the last reporter computes the
+   decision from every report (save / wait for the in-flight save then save / supersede it /
+   keep it / skip) and publishes it; save with a commit deadline inside the grace window;
+   barrier ``done`` (append + counter) with a deadline; the
    ``Checkpointer.on_exit`` hooks (trackers; bounded); destroy the process group; exit with the
    documented code. The deadline is the earliest expected SIGKILL (each signal's window:
    ``signal_grace_s``, else ``grace_s``) less the process's teardown (``teardown_reserve``). A watchdog thread ends the process at
@@ -40,8 +48,11 @@ import time
 from typing import Any
 
 from ..engine import dist as _dist
+from ..engine.dist import StoreUnreachable
 from ..options import platform_grace
 from . import budget
+from .budget import teardown_reserve
+from .consensus import PeerLost as _PeerLost, collect, failed_ranks, stop_step
 from .events import EventLog
 from .signals import REQUEST_CANCEL, SignalTrap, signame
 
@@ -58,22 +69,16 @@ EXIT_CANCELLED = 0
 #: "highest code across tasks" shows the failure.
 EXIT_FAILED = 144
 
-POLL_S = 0.1  # how often a watcher probes the store for a stop
+POLL_S = 0.1  # how often the signal thread looks at the trap where it has no wakeup fd
+WATCH_REARM_S = 86400.0  # the store watcher's wait is renewed daily (c10d logs each timeout)
 HARD_EXTRA_S = 3.0  # the watchdog ends a process still alive this long after the deadline
 EXIT_HOOK_S = 5.0  # at most this long for the ``on_exit`` hooks (trackers), within the deadline
 #: a signal this soon after a rank's first one is the same notice delivered twice (Slurm signals
 #: every process of a step, and torchrun or a supervisor passes it on too): no budget cut
 SAME_NOTICE_S = 1.0
-TEARDOWN_DEFAULT_S = 2.0  # teardown reserve when none was measured (at most grace / 10)
 
 _lock = threading.Lock()
 _instances = 0  # per-process count: the same on every rank if all create Checkpointers alike
-
-
-class _PeerLost(Exception):
-    def __init__(self, missing: list[int], what: str) -> None:
-        self.missing = missing
-        super().__init__(f"{what}: rank(s) {missing} did not answer")
 
 
 class Preemption:
@@ -129,6 +134,7 @@ class Preemption:
         self._closed = threading.Event()
         self._hooks_ran = False
         self._watcher: threading.Thread | None = None
+        self._store_watcher: threading.Thread | None = None
         self._watchdog: threading.Timer | None = None
         ckpt.on_saved.append(self.record_save)
 
@@ -141,6 +147,10 @@ class Preemption:
         self._watcher = threading.Thread(target=self._watch, name="fastckpt-preempt",
                                          daemon=True)
         self._watcher.start()
+        if self.opts.preempt_consensus == "store":
+            self._store_watcher = threading.Thread(target=self._watch_store, daemon=True,
+                                                   name="fastckpt-preempt-store")
+            self._store_watcher.start()
         self.event("armed", signals=self.trap.trapped, grace_s=self.grace_s,
                    grace_source=self.grace_source, platform=self.platform,
                    signal_grace_s={signame(k): v for k, v in self.signal_grace.items()} or None,
@@ -153,6 +163,13 @@ class Preemption:
         self._closed.set()
         if self._watchdog is not None and self.exit_code is None:
             self._watchdog.cancel()
+        sw = self._store_watcher
+        if sw is not None and sw.is_alive() and sw is not threading.current_thread():
+            try:  # wake our own store watcher from its wait
+                self.ex.set(f"{self.prefix}/wake/{self.rank}", b"close")
+            except Exception:  # noqa: BLE001 - the store is gone: its wait ended with it
+                pass
+            sw.join(timeout=2.0)
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=2.0)
         self.trap.close(ignore=ignore_signals)
@@ -170,27 +187,36 @@ class Preemption:
 
     # -- watcher thread ------------------------------------------------------------------------
     def _watch(self) -> None:
-        poll_next = 0.0
+        """(signal thread) local signals: the deadline, and the publication of a stop."""
         while not self._closed.is_set():
-            woke, signals = self.trap.poll(POLL_S, self._closed)
+            _, signals = self.trap.poll(POLL_S, self._closed)
             if self._closed.is_set():
                 return
             for signum, t, source in signals:
                 self._local_signal(signum, t, source)
-            if self.pending or self.opts.preempt_consensus != "store":
-                continue
-            now = time.monotonic()
-            if not woke and now < poll_next and not self._local:
-                continue
-            poll_next = now + POLL_S
-            try:
-                if self._local and not self._published:
+            if self._local and not self._published and \
+                    self.opts.preempt_consensus == "store":
+                try:
                     self._publish_local()
-                n = self.ex.add(f"{self.prefix}/n", 0)
-            except Exception:  # noqa: BLE001 - store gone: the job is ending, or the
-                continue  # training thread will see it
-            if n > 0:
+                except Exception as e:  # noqa: BLE001 - store gone: the job is ending, or
+                    log.warning("fastckpt: rank %d: could not publish the stop: %s",
+                                self.rank, e)  # the training thread will see it
+                    self._published = True
+
+    def _watch_store(self) -> None:
+        """(store watcher) one server-side wait for ``wake/<rank>``: a stop, or close()."""
+        self.ex.warm(2)  # this wait's connection and the emergency path's
+        key = f"{self.prefix}/wake/{self.rank}"
+        while not self._closed.is_set():
+            try:
+                found, _ = self.ex.wait([key], time.monotonic() + WATCH_REARM_S)
+            except StoreUnreachable:
+                return  # the job is ending (rank 0 left), or the training thread will see it
+            if self._closed.is_set():
+                return
+            if found:
                 self._agree()
+                return
 
     def _local_signal(self, signum: int, t_wall: float, source: str) -> None:
         """(watcher) one signal: first ones start the stop; later ones cut the budget."""
@@ -227,40 +253,48 @@ class Preemption:
             self._arm_watchdog()
 
     def _publish_local(self) -> None:
+        """(signal thread) ``sig/<rank>``, ``stop``, then wake every rank (sets, no replies)."""
         signum, t = self._local[0]
-        self.ex.set(f"{self.prefix}/sig/{self.rank}", json.dumps(
-            {"signal": signame(signum) if signum > 0 else "request", "t": t}).encode())
+        info = json.dumps({"signal": signame(signum) if signum > 0 else "request", "t": t,
+                           "kill_at": self.kill_wall, "rank": self.rank}).encode()
+        self.ex.set(f"{self.prefix}/sig/{self.rank}", info)
+        self.ex.set(f"{self.prefix}/stop", info)
         self._published = True
-        self.ex.add(f"{self.prefix}/n", 1)
+        for r in [self.rank] + [r for r in range(self.world) if r != self.rank]:
+            self.ex.set(f"{self.prefix}/wake/{r}", b"1")
 
     def _agree(self) -> None:
-        """(watcher) a stop exists somewhere: report our progress, wait for everyone's, fix T."""
+        """(store watcher) a stop exists somewhere: pass the wake-up on, report our progress,
+        wait for T."""
         self.pending = True
         passed = self.last_seen  # after pending=True: the training thread passes nothing later
-        mine = {"passed": passed, "first_signal": self._local[0][1] if self._local else None,
-                "kill_at": self.kill_wall if self._local else None, "cancel": self.cancel}
         t_learn = time.time()
+        p = self.prefix
         try:
-            self.ex.set(f"{self.prefix}/step/{self.rank}", json.dumps(mine).encode())
-            if self.deadline is None:
-                self._set_deadline(t_learn)  # provisional, until the signal time is known
-            keys = [f"{self.prefix}/step/{r}" for r in range(self.world)]
-            found = self._poll(keys, self._dl(-self.opts.preempt_margin_s), "stop consensus")
+            try:
+                for c in (2 * self.rank + 1, 2 * self.rank + 2):
+                    if c < self.world:
+                        self.ex.set(f"{p}/wake/{c}", b"1")
+                if self.deadline is None:  # the first signal's time and kill, set before
+                    first = json.loads(self.ex.get(f"{p}/stop"))  # any wake-up
+                    self._set_deadline(first["t"], first.get("kill_at"))
+            except StoreUnreachable as e:
+                raise _PeerLost(e.ranks, f"stop consensus: {e}") from e
+            mine = {"passed": passed, "first_signal": self._local[0][1] if self._local else None,
+                    "kill_at": self.kill_wall if self._local else None, "cancel": self.cancel}
+            agreed = self._collect("reports", mine, self._dl(-self.opts.preempt_margin_s),
+                                   "stop consensus", stop_step)
         except _PeerLost as e:
             self.failure = e
             self.event("consensus_failed", missing=e.missing, reason=str(e))
             self.agreed.set()
             return
-        reports = [json.loads(found[k]) for k in keys]
-        steps = [r["passed"] for r in reports if r["passed"] is not None]
-        firsts = [r["first_signal"] for r in reports if r["first_signal"] is not None]
-        kills = [r.get("kill_at") for r in reports if r.get("kill_at") is not None]
-        if firsts:
-            self._set_deadline(min(firsts), min(kills) if kills else None)
-        self.cancel = self.cancel or any(r["cancel"] for r in reports)
-        self.stop_step = max(steps) + 1 if steps else -1
-        first = min(firsts) if firsts else t_learn
-        self.event("consensus", stop_step=self.stop_step, reported=[r["passed"] for r in reports],
+        if agreed["first"] is not None:
+            self._set_deadline(agreed["first"], agreed["kill"])
+        self.cancel = self.cancel or agreed["cancel"]
+        self.stop_step = agreed["T"]
+        first = agreed["first"] if agreed["first"] is not None else t_learn
+        self.event("consensus", stop_step=self.stop_step, reported=agreed["reported"],
                    learned_after_s=round(t_learn - first, 4),
                    agreed_after_s=round(time.time() - first, 4), cancel=self.cancel,
                    deadline_in_s=round(self._dl() - time.monotonic(), 3))
@@ -273,23 +307,10 @@ class Preemption:
         d = self.deadline if self.deadline is not None else time.monotonic() + self.grace_s
         return d + extra
 
-    def _poll(self, keys: list[str], deadline: float, what: str,
-              min_wait: float = 0.0) -> dict[str, bytes]:
-        """Wait for keys without blocking the store client (other threads share it)."""
-        end = max(deadline, time.monotonic() + min_wait)
-        while True:
-            try:
-                found, missing = self.ex.wait(keys, 0.0)  # a probe: no blocking store.wait
-                if not missing:
-                    return found
-                self.ex.add(f"{self.prefix}/alive", 0)  # raises if rank 0's store is gone
-            except _PeerLost:
-                raise
-            except Exception as e:
-                raise _PeerLost([0], f"{what}: the store on rank 0 is unreachable ({e})") from e
-            if time.monotonic() >= end:
-                raise _PeerLost([int(k.rsplit("/", 1)[1]) for k in missing], what)
-            time.sleep(0.02)
+    def _collect(self, name: str, mine: dict, deadline: float, what: str, reduce: Any,
+                 min_wait: float = 0.0) -> Any:
+        return collect(self.ex, f"{self.prefix}/{name}", self.rank, self.world, mine,
+                       deadline, what, reduce, min_wait)
 
     def _arm_watchdog(self) -> None:
         if not self.opts.preempt_exit:
@@ -386,12 +407,9 @@ class Preemption:
         try:
             mine = self._estimate(state)
             self.event("estimate", **mine)
-            k = f"{self.prefix}/est/"
-            self.ex.set(k + str(self.rank), json.dumps(mine).encode())
-            found = self._poll([k + str(r) for r in range(self.world)], self._dl(-margin),
-                               "budget exchange")
-            reports = [json.loads(found[k + str(r)]) for r in range(self.world)]
-            decision, nums = self.decide(reports, step, margin)
+            decision, nums = self._collect(
+                "est", mine, self._dl(-margin), "budget exchange",
+                lambda reports: self.decide(reports, step, margin))
             self.event("decision", decision=decision, step=step, **nums)
             log.warning("fastckpt: rank %d: preemption decision at step %d: %s (left %.2f s, "
                         "estimated save %.2f s for %d bytes, in-flight step %s needs %.2f s)",
@@ -449,31 +467,28 @@ class Preemption:
         if error is not None:
             self.event("save_failed", step=step, error=f"{type(error).__name__}: {error}")
         t0 = time.monotonic()
-        k = f"{self.prefix}/done/"
         missing: list[int] = list(getattr(error, "missing", None) or
                                   getattr(error, "missing_ranks", None) or [])
         try:
-            self.ex.set(k + str(self.rank), json.dumps({"ok": ok}).encode())
             # a failure waits briefly (the peers that are alive are there within a second)
             end = self._dl() if ok else min(self._dl(), time.monotonic() + 1.0)
-            found = self._poll([k + str(r) for r in range(self.world)], end, "barrier",
-                               min_wait=0.0 if ok else 1.0)
-            bad = [r for r in range(self.world) if not json.loads(found[k + str(r)])["ok"]]
+            bad = self._collect("done", {"ok": ok}, end, "barrier", failed_ranks,
+                                min_wait=0.0 if ok else 1.0)
             if bad and ok:
                 ok = False
                 error = RuntimeError(f"the emergency save failed on rank(s) {bad}")
-            self.ex.add(f"{self.prefix}/left", 1)
-            if self.rank == 0:  # the store lives here: let every rank leave first
-                end = time.monotonic() + 2.0
-                while self.ex.add(f"{self.prefix}/left", 0) < self.world and \
-                        time.monotonic() < end:
-                    time.sleep(0.01)
+            # rank 0 may host the store: it stays (briefly) until every rank has left
+            if self.ex.add(f"{self.prefix}/left", 1) == self.world:
+                self.ex.set(f"{self.prefix}/left/all", b"1")
+            if self.rank == 0:
+                self.ex.wait([f"{self.prefix}/left/all"], time.monotonic() + 2.0)
             self.event("barrier", ok=True, all_saved=ok, seconds=round(time.monotonic() - t0, 4))
-        except Exception as e:  # _PeerLost, or a store error: rank 0 (its host) is gone
+        except Exception as e:  # _PeerLost, or a store error: its host is gone
             ok = False
             if error is None:
                 error = e
-            missing = sorted(set(missing) | set(getattr(e, "missing", [0])))
+            lost = getattr(e, "missing", None) or getattr(e, "ranks", None) or []
+            missing = sorted(set(missing) | set(lost))
             self.event("barrier", ok=False, missing=missing,
                        seconds=round(time.monotonic() - t0, 4))
         if ok:
@@ -549,32 +564,6 @@ class Preemption:
         except Exception as e:
             log.warning("fastckpt: close after the emergency checkpoint: %s", e)
         raise SystemExit(code)
-
-
-def teardown_reserve(configured: float | None, grace_s: float,
-                     events_dir: str | None) -> tuple[float, str]:
-    """(seconds kept out of the grace window for the process's teardown, how it is known)."""
-    if configured is not None:
-        return float(configured), "configured"
-    measured = []
-    if events_dir:
-        try:
-            with open(os.path.join(events_dir, "supervisor.jsonl"), encoding="utf-8") as f:
-                for line in f:
-                    try:
-                        v = json.loads(line).get("teardown_s")
-                    except (ValueError, AttributeError):
-                        continue
-                    if isinstance(v, (int, float)) and 0 <= v < 3600:
-                        measured.append(float(v))
-        except OSError:
-            pass
-    if measured:
-        worst = max(measured[-5:])
-        # a measurement can not take the whole window: at most half of it
-        return round(min(worst * 1.25 + 0.25, grace_s / 2), 3), (
-            f"measured by the supervisor (worst of the last {len(measured[-5:])}: {worst:.2f} s)")
-    return round(min(TEARDOWN_DEFAULT_S, grace_s / 10), 3), "default (not measured)"
 
 
 def _destroy_process_group() -> None:

@@ -1,0 +1,243 @@
+"""The cross-rank protocols over a real c10d TCPStore: O(1) store commands per rank, no polling.
+
+docs/scale.md measures them with up to 4096 simulated ranks (``benchmarks/bench_protocol.py``);
+these tests pin the properties that make them scale, with real stores and real processes:
+
+* an armed, idle preemption trigger sends the store nothing (it used to probe it every 0.1 s);
+* a stop costs each rank a handful of commands, whatever the world size;
+* the commit, the report/reduce exchange and the gather name the ranks that are missing, clean
+  their keys up, and wait on the server (a thread's wait does not hold the shared client);
+* the ranks lost with the store are named from where the store lives (``store_host``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as tdist
+
+import fastckpt
+from fastckpt.engine import dist as _dist
+from fastckpt.engine.commit import commit
+from fastckpt.errors import CollectiveTimeoutError, CommitTimeoutError
+from fastckpt.preempt.consensus import PeerLost, collect
+from tests.distributed import free_port, run
+
+
+class Counting:
+    """A store proxy logging (time, command) for every call; its clones log to the same list."""
+
+    def __init__(self, store, log: list) -> None:
+        self._s, self.log = store, log
+
+    def __getattr__(self, name):
+        fn = getattr(self._s, name)
+
+        def call(*args):
+            self.log.append((time.monotonic(), name))
+            out = fn(*args)
+            return Counting(out, self.log) if name == "clone" else out
+        return call
+
+
+def _counted_exchanges() -> list:
+    """Wrap the store of every Exchange created from now on in this process; return the log."""
+    log: list = []
+    orig = _dist.Exchange.__init__
+
+    def init(self, *a, **k):
+        orig(self, *a, **k)
+        if self._store is not None:
+            self._store = Counting(self._store, log)
+    _dist.Exchange.__init__ = init
+    return log
+
+
+def _idle_then_stop(rank, world, root):
+    log = _counted_exchanges()
+    ck = fastckpt.Checkpointer(root, grace_s=30, preempt_exit=False)
+    st = {"w": torch.full((64,), float(rank))}
+    t0 = time.monotonic()
+    step = 0
+    while time.monotonic() - t0 < 2.0:  # armed and idle: training steps only
+        assert ck.save(st, step=step, on_preempt=True) is None
+        step += 1
+        time.sleep(0.01)
+    idle = [c for t, c in log if t0 + 0.5 <= t]  # after the watchers' first wait
+    tdist.barrier()
+    t_stop = time.monotonic()
+    if rank == world - 1:
+        ck.preemption.request_stop()
+    h = None
+    while h is None:
+        h = ck.save(st, step=step, on_preempt=True)
+        step += 1
+        time.sleep(0.005)
+        assert time.monotonic() - t_stop < 30
+    p = ck.preemption
+    agreed = [c for t, c in log if t_stop <= t and c not in ("clone",)]
+    out = {"idle": idle, "stop_step": p.stop_step, "code": p.exit_code, "committed": h.committed}
+    ev = [e for e in _events(root, rank) if e["event"] == "consensus"]
+    out["consensus"] = ev[-1]
+    out["cmds_after_stop"] = len(agreed)
+    ck.close()
+    return out
+
+
+def _events(root, rank):
+    import json
+    with open(os.path.join(root, "events", f"rank{rank:05d}.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_idle_trigger_sends_nothing_and_a_stop_costs_o1_per_rank(tmp_path, world):
+    res = run(_idle_then_stop, world, str(tmp_path / "ck"))
+    for r, o in enumerate(res):
+        assert o["idle"] == [], (r, o["idle"][:10])  # the old watcher: ~15 probes per rank
+        assert o["code"] == 143 and o["committed"]
+    assert len({o["stop_step"] for o in res}) == 1
+    # everything after the stop request, including the emergency save's plan exchange,
+    # commit and exit barrier: a fixed number on every rank (about 35 measured), plus the
+    # signalled rank's N wake-ups and the coordinator's deletes of the gathers' N values
+    per_rank = [o["cmds_after_stop"] for o in res]
+    assert all(n <= 40 for n in per_rank[1:-1]), per_rank
+    assert per_rank[-1] <= 40 + world and per_rank[0] <= 50 + 5 * world, per_rank
+    print(f"\nworld {world}: store commands per rank from the stop request to the exit: "
+          f"{per_rank}; consensus {res[0]['consensus']['agreed_after_s']} s after the request")
+
+
+# --------------------------------------------------------------- threads on one real store
+
+@pytest.fixture
+def store():
+    s = tdist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=30))
+    yield s
+    del s
+
+
+def _client(store):
+    return tdist.TCPStore("127.0.0.1", store.port, 1, False, timeout=timedelta(seconds=30))
+
+
+def _threads(n, fn, skip=()):
+    out = {}
+
+    def one(r):
+        try:
+            out[r] = fn(r)
+        except Exception as e:  # noqa: BLE001
+            out[r] = e
+    ts = [threading.Thread(target=one, args=(r,)) for r in range(n) if r not in skip]
+    t0 = time.monotonic()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    return out, time.monotonic() - t0
+
+
+def test_commit_over_a_real_store_cleans_up_and_names_the_missing(store):
+    world = 8
+    exs = [_dist.Exchange(store=_client(store)) for _ in range(world)]
+    keys0 = store.num_keys()
+
+    def one(r, save_id, deadline_s):
+        return commit(exs[r], save_id=save_id, rank=r, world_size=world, result={"ok": True},
+                      deadline=time.monotonic() + deadline_s,
+                      coordinator=lambda res: {"n": len(res)})
+    out, _ = _threads(world, lambda r: one(r, "a", 10))
+    assert all(o == {"ok": True, "n": world} for o in out.values()), out
+    assert store.num_keys() == keys0  # results, outcome, acks, counters: all deleted
+    out, took = _threads(world, lambda r: one(r, "b", 1.0), skip=(5,))
+    assert took < 1.0 + 5
+    for r, o in out.items():
+        assert isinstance(o, CommitTimeoutError) and o.missing_ranks == [5], (r, o)
+
+
+def test_collect_names_the_missing_and_reduces_once(store):
+    world = 16
+    exs = [_dist.Exchange(store=_client(store)) for _ in range(world)]
+    calls = []
+
+    def reduce(lines):
+        calls.append(len(lines))
+        return max(x["v"] for x in lines)
+    out, _ = _threads(world, lambda r: collect(exs[r], "k1", r, world, {"v": r * 3},
+                                               time.monotonic() + 10, "test", reduce))
+    assert set(out.values()) == {45} and calls == [world]
+    out, took = _threads(world, lambda r: collect(exs[r], "k2", r, world, {"v": r},
+                                                  time.monotonic() + 1.0, "test", reduce),
+                         skip=(3, 9))
+    assert took < 1.0 + 5
+    for o in out.values():
+        assert isinstance(o, PeerLost) and o.missing == [3, 9], o
+
+
+def test_exchange_wait_is_one_server_side_wait(store):
+    """Waiting for N keys: one wait, then multi_get; no probing while the keys do not exist."""
+    log: list = []
+    ex = _dist.Exchange(store=_client(store))
+    ex._store = Counting(ex._store, log)
+    keys = [f"k/{i}" for i in range(2000)]
+
+    def later():
+        time.sleep(0.5)
+        for k in keys:
+            store.set("fastckpt/" + k, k.encode())
+    threading.Thread(target=later).start()
+    found, missing = ex.wait(keys, time.monotonic() + 20)
+    assert not missing and found["k/1999"] == b"k/1999"
+    names = [c for _, c in log]
+    assert names == ["clone", "wait", "multi_get", "multi_get"], names  # batches of 1024
+
+
+def test_gather_over_a_real_store(store):
+    world = 6
+    groups = []
+    for _ in range(world):
+        g = _dist.Group.__new__(_dist.Group)
+        g.collective, g.world_size = True, world
+        g._prefix, g._seq = "gather/t", 0
+        g._exchange = _dist.Exchange(store=_client(store))
+        groups.append(g)
+    for r, g in enumerate(groups):
+        g.rank = r
+    keys0 = store.num_keys()
+    out, _ = _threads(world, lambda r: groups[r].gather({"r": r}, timeout_s=10, what="t"))
+    assert all(o == [{"r": r} for r in range(world)] for o in out.values()), out
+    assert store.num_keys() == keys0
+    out, _ = _threads(world, lambda r: groups[r].gather(r, timeout_s=1.0, what="plan"),
+                      skip=(4,))
+    for o in out.values():
+        assert isinstance(o, CollectiveTimeoutError) and o.missing_ranks == [4]
+        assert "plan: rank(s) [4] did not arrive" in str(o)
+
+
+def test_a_dead_store_names_the_ranks_lost_with_it(monkeypatch):
+    """The store's host gone: every wait raises StoreUnreachable naming the ranks that go with
+    it: rank 0, or under torchrun (agent store) node 0's ranks."""
+    port = free_port()
+    server = tdist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=30))
+    ex = _dist.Exchange(store=tdist.TCPStore("127.0.0.1", port, 1, False,
+                                             timeout=timedelta(seconds=5)))
+    ex.set("a", b"1")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert _dist.store_host() == ([0], "rank 0 at 10.0.0.1:29500")
+    del server
+    t0 = time.monotonic()
+    with pytest.raises(_dist.StoreUnreachable) as e:
+        ex.wait(["never"], time.monotonic() + 20)
+    assert time.monotonic() - t0 < 10  # at once, not at the deadline
+    assert e.value.ranks == [0] and "rank 0 at 10.0.0.1:29500" in str(e.value)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    ranks, where = _dist.store_host()
+    assert ranks == [0] and "agent on node 0" in where  # world size 1 here: capped
