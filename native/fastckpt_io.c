@@ -28,6 +28,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/types.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 /* xxhash, compiled in.  On x86-64 the AVX2 kernels are compiled too (function-level target
@@ -845,6 +846,260 @@ out:
 }
 
 /* ------------------------------------------------------------------------ */
+/* read_to: a file region straight into its destination                     */
+/* ------------------------------------------------------------------------ */
+
+/* One read of read_to: its iovecs (the head bounce page, a run of the destination, the tail
+ * bounce page: only the ones it has), the file offset of the first, the bytes that must arrive. */
+typedef struct {
+    struct iovec iov[3];
+    int niov;
+    long long foff;
+    Py_ssize_t len, need;
+} rreq_t;
+
+typedef struct {
+    job_t j;               /* fd, direct, next, stop, mu/cv, done[], errors */
+    rreq_t *rq;
+    char *dst;             /* the destination: dst[0:nbytes] holds file bytes [off, off+nbytes) */
+    long long off;
+    Py_ssize_t nbytes;
+    char *head, *tail;     /* bounce pages for the partial first and last pages (or NULL) */
+    Py_ssize_t head_skip, head_len, tail_len; /* head: head[head_skip:+head_len] -> dst[0:]; tail: -> dst[nbytes-tail_len:] */
+} rjob_t;
+
+/* preadv of one request, on to the end (a short O_DIRECT read is the end of the file). */
+static int rreq_read(rjob_t *r, rreq_t *q) {
+    job_t *j = &r->j;
+    struct iovec iov[3];
+    int niov = q->niov, first = 0, retried_direct = 0;
+    memcpy(iov, q->iov, sizeof(iov));
+    Py_ssize_t done = 0;
+    while (done < q->len) {
+        int was_direct = __atomic_load_n(&j->direct, __ATOMIC_ACQUIRE);
+        ssize_t n = preadv(j->fd, iov + first, niov - first, (off_t)(q->foff + done));
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EINVAL && !retried_direct && was_direct) {
+                int e = errno;
+                retried_direct = 1;
+                if (drop_direct(j)) continue;
+                errno = e;
+            }
+            job_fail(j, errno, q->foff + done, "reading", 0);
+            return -1;
+        }
+        if (n == 0) break;
+        done += n;
+        for (Py_ssize_t k = n; k > 0 && first < niov;) {  /* advance past the bytes read */
+            if ((Py_ssize_t)iov[first].iov_len <= k) {
+                k -= (Py_ssize_t)iov[first].iov_len;
+                first++;
+            } else {
+                iov[first].iov_base = (char *)iov[first].iov_base + k;
+                iov[first].iov_len -= (size_t)k;
+                k = 0;
+            }
+        }
+        if (was_direct && (n % FCK_ALIGN) != 0) break;
+    }
+    if (done < q->need) {
+        job_fail(j, 0, q->foff + done, "reading", 1);
+        return -1;
+    }
+    return 0;
+}
+
+static void *rjob_worker(void *arg) {
+    rjob_t *r = (rjob_t *)arg;
+    job_t *j = &r->j;
+    for (;;) {
+        if (__atomic_load_n(&j->stop, __ATOMIC_ACQUIRE)) break;
+        Py_ssize_t i = __atomic_fetch_add(&j->next, 1, __ATOMIC_ACQ_REL);
+        if (i >= j->nblocks) break;
+        if (rreq_read(r, &r->rq[i])) break;
+        /* the partial pages into place before the block counts as landed (the hash reads them) */
+        if (i == 0 && r->head) memcpy(r->dst, r->head + r->head_skip, (size_t)r->head_len);
+        if (i == j->nblocks - 1 && r->tail) memcpy(r->dst + r->nbytes - r->tail_len, r->tail, (size_t)r->tail_len);
+        pthread_mutex_lock(&j->mu);
+        j->done[i] = 1;
+        pthread_cond_broadcast(&j->cv);
+        pthread_mutex_unlock(&j->mu);
+    }
+    return NULL;
+}
+
+PyDoc_STRVAR(read_to_doc,
+"read_to(path, file_offset, address, nbytes, direct=True, block_size=0, depth=0, hash=True)\n"
+"--\n\n"
+"Read exactly nbytes at file_offset into the raw memory [address, address+nbytes) (which the\n"
+"caller keeps alive) and return their xxh3_64, each block hashed in order as it lands (None\n"
+"with hash=False). With direct and address % 4096 == file_offset % 4096, every byte is read\n"
+"with O_DIRECT: the whole pages straight into the destination, the partial first and last\n"
+"pages into bounce pages in the same requests (preadv), then copied; no byte outside\n"
+"[address, address+nbytes) is written. Otherwise buffered reads straight into it.");
+
+static PyObject *py_read_to(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"path", "file_offset", "address", "nbytes", "direct", "block_size", "depth", "hash",
+                             NULL};
+    PyObject *pathb = NULL, *result = NULL;
+    long long file_offset;
+    unsigned long long address;
+    Py_ssize_t nbytes, block = 0;
+    int direct = 1, depth = 0, want_hash = 1, nth = 0, have_job = 0;
+    rjob_t r;
+    pthread_t th[FCK_MAX_DEPTH];
+    uint64_t h = 0;
+    XXH3_state_t hs;
+    int oerr = 0, eof = 0, owith_off = 1;
+    long long ooff = 0, fsize = 0;
+    const char *owhat = NULL;
+    char *bounce = NULL;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&LKn|pnip:read_to", kwlist, PyUnicode_FSConverter, &pathb,
+                                     &file_offset, &address, &nbytes, &direct, &block, &depth, &want_hash))
+        return NULL;
+    const char *path = PyBytes_AS_STRING(pathb);
+    memset(&r, 0, sizeof(r));
+    if (file_offset < 0 || file_offset > (long long)(INT64_MAX / 2) || nbytes < 0 ||
+        nbytes > (Py_ssize_t)(INT64_MAX / 4) || (nbytes > 0 && !address)) {
+        PyErr_SetString(PyExc_ValueError, "file_offset, address or nbytes out of range");
+        goto out;
+    }
+    if (check_tuning(&block, &depth)) goto out;
+    if (job_init(&r.j)) {
+        PyErr_SetString(PyExc_RuntimeError, "pthread init failed");
+        goto out;
+    }
+    have_job = 1;
+    r.dst = (char *)(uintptr_t)address;
+    r.off = file_offset;
+    r.nbytes = nbytes;
+    long long end = file_offset + nbytes;
+    long long lo = round_up(file_offset, FCK_ALIGN), hi = end / FCK_ALIGN * FCK_ALIGN;
+    int use_direct = direct && nbytes > 0 && (long long)(address % FCK_ALIGN) == file_offset % FCK_ALIGN &&
+                     hi > lo;
+    if (use_direct && (lo > file_offset || hi < end)) {
+        bounce = aligned_alloc((size_t)FCK_ALIGN, (size_t)(2 * FCK_ALIGN));
+        if (!bounce) {
+            PyErr_NoMemory();
+            goto out;
+        }
+    }
+    /* the requests: [lo, hi) in blocks, the head page with the first, the tail page with the last */
+    Py_ssize_t body = use_direct ? (Py_ssize_t)(hi - lo) : nbytes;
+    Py_ssize_t nreq = body > 0 ? (body + block - 1) / block : 1;
+    r.rq = PyMem_Calloc((size_t)nreq, sizeof(rreq_t));
+    r.j.done = calloc((size_t)nreq, 1);
+    if (!r.rq || !r.j.done) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    long long base = use_direct ? lo : file_offset;
+    char *mem = r.dst + (base - file_offset);
+    for (Py_ssize_t i = 0; i < nreq; i++) {
+        rreq_t *q = &r.rq[i];
+        Py_ssize_t len = body - i * block < block ? body - i * block : block;
+        q->foff = base + (long long)i * block;
+        if (i == 0 && use_direct && lo > file_offset) {
+            r.head = bounce;
+            r.head_skip = (Py_ssize_t)(file_offset % FCK_ALIGN);
+            r.head_len = (Py_ssize_t)(lo - file_offset);
+            q->iov[q->niov].iov_base = bounce;
+            q->iov[q->niov++].iov_len = (size_t)FCK_ALIGN;
+            q->foff -= FCK_ALIGN;
+            q->len += FCK_ALIGN;
+            q->need += FCK_ALIGN;
+        }
+        if (len > 0) {
+            q->iov[q->niov].iov_base = mem + (Py_ssize_t)i * block;
+            q->iov[q->niov++].iov_len = (size_t)len;
+            q->len += len;
+            q->need += len;
+        }
+        if (i == nreq - 1 && use_direct && hi < end) {
+            r.tail = bounce + FCK_ALIGN;
+            r.tail_len = (Py_ssize_t)(end - hi);
+            q->iov[q->niov].iov_base = r.tail;
+            q->iov[q->niov++].iov_len = (size_t)FCK_ALIGN;
+            q->len += FCK_ALIGN;
+            q->need += r.tail_len;
+        }
+    }
+    r.j.nblocks = nreq;
+
+    Py_BEGIN_ALLOW_THREADS
+    int fd = -1;
+    struct stat st;
+    if (use_direct) {
+        fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_DIRECT);
+        if (fd < 0 && errno == EINVAL) use_direct = 0;
+    }
+    if (fd < 0 && !use_direct) fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) {
+        oerr = errno; owhat = "opening"; owith_off = 0;
+    } else if (fstat(fd, &st) != 0) {
+        oerr = errno; owhat = "stat of"; owith_off = 0;
+    } else if (!S_ISREG(st.st_mode)) {
+        oerr = EINVAL; owhat = "opening (not a regular file)"; owith_off = 0;
+    } else if ((long long)st.st_size < end) {
+        eof = 1;
+        fsize = (long long)st.st_size;
+    } else if (nbytes > 0) {
+        r.j.fd = fd;
+        r.j.direct = use_direct;  /* O_DIRECT refused at open: the same requests, buffered */
+        int want = nreq > 1 ? (int)(nreq < depth ? nreq : depth) : 0;
+        nth = want ? start_threads(rjob_worker, &r, th, want) : 0;
+        XXH3_64bits_reset(&hs);
+        if (nth == 0) rjob_worker(&r);
+        /* hash the destination in order, each block as soon as it (and its partial page) landed */
+        Py_ssize_t hashed = 0;
+        for (Py_ssize_t i = 0; i < nreq && want_hash; i++) {
+            pthread_mutex_lock(&r.j.mu);
+            while (!r.j.done[i] && !r.j.err && !r.j.eof) pthread_cond_wait(&r.j.cv, &r.j.mu);
+            int bad = r.j.err || r.j.eof;
+            pthread_mutex_unlock(&r.j.mu);
+            if (bad) break;
+            Py_ssize_t upto = i == nreq - 1 ? nbytes : (Py_ssize_t)(base - file_offset) + (i + 1) * block;
+            for (; hashed < upto;) {
+                Py_ssize_t k = upto - hashed < FCK_HASH_CHUNK ? upto - hashed : FCK_HASH_CHUNK;
+                fck_update(&hs, r.dst + hashed, (size_t)k);
+                hashed += k;
+            }
+        }
+        if (nth > 0) join_workers(th, nth);
+        h = XXH3_64bits_digest(&hs);
+        if (r.j.eof) {
+            eof = 1;
+            fsize = fstat(fd, &st) == 0 ? (long long)st.st_size : r.j.err_off;
+        } else if (r.j.err) {
+            oerr = r.j.err; owhat = r.j.err_what; ooff = r.j.err_off;
+        }
+    } else {
+        h = XXH3_64bits(NULL, 0);
+    }
+    if (fd >= 0) close(fd);
+    Py_END_ALLOW_THREADS
+
+    if (eof) {
+        PyErr_Format(PyExc_EOFError, "%s: expected %zd bytes at offset %lld, file ended at %lld", path, nbytes,
+                     file_offset, fsize);
+    } else if (oerr) {
+        raise_os(oerr, owhat, path, ooff, owith_off);
+    } else if (!want_hash) {
+        result = Py_NewRef(Py_None);
+    } else {
+        result = PyLong_FromUnsignedLongLong(h);
+    }
+out:
+    if (have_job) job_destroy(&r.j);  /* frees done[] */
+    PyMem_Free(r.rq);
+    free(bounce);
+    Py_DECREF(pathb);
+    return result;
+}
+
+/* ------------------------------------------------------------------------ */
 /* hash                                                                      */
 /* ------------------------------------------------------------------------ */
 
@@ -975,6 +1230,7 @@ static PyMethodDef methods[] = {
     {"hash_impl", py_hash_impl, METH_NOARGS, "which xxh3 kernels are in use: avx2, sse2 or generic"},
     {"write_file", (PyCFunction)(void (*)(void))py_write_file, METH_VARARGS | METH_KEYWORDS, write_file_doc},
     {"read_into", (PyCFunction)(void (*)(void))py_read_into, METH_VARARGS | METH_KEYWORDS, read_into_doc},
+    {"read_to", (PyCFunction)(void (*)(void))py_read_to, METH_VARARGS | METH_KEYWORDS, read_to_doc},
     {"hash", py_hash, METH_VARARGS, hash_doc},
     {"copy", py_copy, METH_VARARGS, copy_doc},
     {"write_segments", (PyCFunction)(void (*)(void))py_write_segments, METH_VARARGS | METH_KEYWORDS,

@@ -94,6 +94,16 @@ class IOBackend(Protocol):
         """
         ...
 
+    def read_to(self, path: str, file_offset: int, address: int, nbytes: int, *,
+                direct: bool = True, hash: bool = True) -> int | None:
+        """Read exactly nbytes at file_offset into the raw memory ``[address, address+nbytes)``
+        (valid, writable, kept alive by the caller; nothing outside it is written); return
+        their xxh3_64, hashed as the blocks land (None with ``hash=False``). With ``direct`` and
+        ``address % 4096 == file_offset % 4096``: O_DIRECT, the partial first and last pages
+        through bounce pages (a load's destination tensors); else buffered. A file too short
+        raises EOFError naming the path."""
+        ...
+
     def hash(self, buf, nbytes: int) -> int:
         """xxh3_64 of buf[0:nbytes]."""
         ...
@@ -146,6 +156,10 @@ class NativeBackend:
     def read_into(self, path, file_offset, buf, nbytes, *, direct=True, hash=True):
         return _ext.read_into(os.fspath(path), file_offset, buf, nbytes, direct, self.block_size,
                               self.depth, hash)
+
+    def read_to(self, path, file_offset, address, nbytes, *, direct=True, hash=True):
+        return _ext.read_to(os.fspath(path), file_offset, address, nbytes, direct, self.block_size,
+                            self.depth, hash)
 
     def hash(self, buf, nbytes):
         return _ext.hash(buf, nbytes)

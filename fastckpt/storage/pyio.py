@@ -331,6 +331,26 @@ class PythonBackend:
         finally:
             os.close(fd)
 
+    def read_to(self, path, file_offset, address, nbytes, *, direct=True, hash=True):
+        """Read exactly ``nbytes`` at ``file_offset`` into the raw memory ``[address,
+        address + nbytes)`` (kept alive by the caller); their xxh3_64 (None with ``hash=False``).
+        With ``direct`` and ``address`` in phase with ``file_offset`` modulo 4096, the whole
+        pages with O_DIRECT straight in and the partial first and last pages buffered (the
+        native backend reads those with O_DIRECT too, into bounce pages); else buffered."""
+        if file_offset < 0 or nbytes < 0 or (nbytes and not address):
+            raise ValueError("file_offset, address or nbytes out of range")
+        end = file_offset + nbytes
+        lo, hi = _round_up(file_offset), end // ALIGN * ALIGN
+        if not (direct and nbytes and (address - file_offset) % ALIGN == 0 and hi > lo):
+            self.read_into(path, file_offset, _raw_view(address, nbytes) if nbytes else
+                           bytearray(0), nbytes, direct=False, hash=False)
+        else:
+            for a, z, d in ((lo, hi, True), (file_offset, lo, False), (hi, end, False)):
+                if z > a:
+                    self.read_into(path, a, _raw_view(address + a - file_offset, z - a), z - a,
+                                   direct=d, hash=False)
+        return self.hash(_raw_view(address, nbytes), nbytes) if hash else None
+
     def hash(self, buf, nbytes):
         mv = _byte_view(buf)
         _check_nbytes(mv, nbytes)
