@@ -718,6 +718,59 @@ PyDoc_STRVAR(read_into_doc,
 "Read exactly nbytes at file_offset into buf[0:nbytes]; return their xxh3_64 (None with\n"
 "hash=False, for callers that check smaller ranges themselves).");
 
+/* How a read ended: an OS error (err, what, at off when with_off), or a file too short (eof,
+ * its size fsize). */
+typedef struct {
+    int err, eof, with_off;
+    long long off, fsize;
+    const char *what;
+} rstatus_t;
+
+/* Open a shard for reading (no GIL needed): O_NOFOLLOW, never through a link; O_NONBLOCK, a
+ * FIFO in place of a shard does not block the open (no effect on regular files); O_DIRECT when
+ * *direct (cleared where the file system refuses it). Only a regular file of at least `end`
+ * bytes is read. Returns the fd, or -1 with rs set (and the fd closed). */
+static int open_shard(const char *path, int *direct, long long end, rstatus_t *rs) {
+    int fd = -1;
+    struct stat st;
+    if (*direct) {
+        fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_DIRECT);
+        if (fd < 0 && errno == EINVAL) *direct = 0;
+    }
+    if (fd < 0 && !*direct) fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) {
+        rs->err = errno; rs->what = "opening"; rs->with_off = 0;
+        return -1;
+    }
+    if (fstat(fd, &st) != 0) {
+        rs->err = errno; rs->what = "stat of"; rs->with_off = 0;
+    } else if (!S_ISREG(st.st_mode)) {
+        rs->err = EINVAL; rs->what = "opening (not a regular file)"; rs->with_off = 0;
+    } else if ((long long)st.st_size < end) {
+        rs->eof = 1;
+        rs->fsize = (long long)st.st_size;
+    } else {
+        return fd;
+    }
+    close(fd);
+    return -1;
+}
+
+/* The Python result of a read (with the GIL): the hash, None, or the exception. */
+static PyObject *read_result(const rstatus_t *rs, const char *path, Py_ssize_t nbytes,
+                             long long file_offset, int want_hash, uint64_t h) {
+    if (rs->eof) {
+        PyErr_Format(PyExc_EOFError, "%s: expected %zd bytes at offset %lld, file ended at %lld", path, nbytes,
+                     file_offset, rs->fsize);
+        return NULL;
+    }
+    if (rs->err) {
+        raise_os(rs->err, rs->what, path, rs->off, rs->with_off);
+        return NULL;
+    }
+    return want_hash ? PyLong_FromUnsignedLongLong(h) : Py_NewRef(Py_None);
+}
+
 static PyObject *py_read_into(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"path", "file_offset", "buf", "nbytes", "direct", "block_size", "depth", "hash",
                              NULL};
@@ -731,9 +784,7 @@ static PyObject *py_read_into(PyObject *self, PyObject *args, PyObject *kw) {
     int nth = 0;
     uint64_t h = 0;
     XXH3_state_t hs;
-    int oerr = 0, eof = 0, owith_off = 1;
-    long long ooff = 0, fsize = 0;
-    const char *owhat = NULL;
+    rstatus_t rs = {0, 0, 1, 0, 0, NULL};
 
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O&LOn|pnip:read_into", kwlist, PyUnicode_FSConverter, &pathb,
                                      &file_offset, &bufobj, &nbytes, &direct, &block, &depth,
@@ -758,24 +809,10 @@ static PyObject *py_read_into(PyObject *self, PyObject *args, PyObject *kw) {
                      file_offset % FCK_ALIGN == 0 && view.len >= round_up(nbytes, FCK_ALIGN);
 
     Py_BEGIN_ALLOW_THREADS
-    int fd = -1;
     struct stat st;
-    /* O_NOFOLLOW: never through a link; O_NONBLOCK: a FIFO in place of a shard does not
-     * block the open (no effect on regular files); then only a regular file is read */
-    if (use_direct) {
-        fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_DIRECT);
-        if (fd < 0 && errno == EINVAL) use_direct = 0;
-    }
-    if (fd < 0 && !use_direct) fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    int fd = open_shard(path, &use_direct, file_offset + (long long)nbytes, &rs);
     if (fd < 0) {
-        oerr = errno; owhat = "opening"; owith_off = 0;
-    } else if (fstat(fd, &st) != 0) {
-        oerr = errno; owhat = "stat of"; owith_off = 0;
-    } else if (!S_ISREG(st.st_mode)) {
-        oerr = EINVAL; owhat = "opening (not a regular file)"; owith_off = 0;
-    } else if ((long long)st.st_size < file_offset + (long long)nbytes) {
-        eof = 1;
-        fsize = (long long)st.st_size;
+        /* rs says why */
     } else if (nbytes > 0) {
         job.fd = fd;
         job.writing = 0;
@@ -788,7 +825,7 @@ static PyObject *py_read_into(PyObject *self, PyObject *args, PyObject *kw) {
         job.direct = use_direct;
         job.done = (unsigned char *)calloc((size_t)job.nblocks, 1);
         if (!job.done) {
-            oerr = ENOMEM; owhat = "reading"; owith_off = 0;
+            rs.err = ENOMEM; rs.what = "reading"; rs.with_off = 0;
         } else {
             int want = job.nblocks > 1 ? (int)(job.nblocks < depth ? job.nblocks : depth) : 0;
             nth = want ? start_threads(worker, &job, th, want) : 0;
@@ -816,10 +853,10 @@ static PyObject *py_read_into(PyObject *self, PyObject *args, PyObject *kw) {
                 h = XXH3_64bits_digest(&hs);
             }
             if (job.eof) {
-                eof = 1;
-                fsize = fstat(fd, &st) == 0 ? (long long)st.st_size : job.err_off;
+                rs.eof = 1;
+                rs.fsize = fstat(fd, &st) == 0 ? (long long)st.st_size : job.err_off;
             } else if (job.err) {
-                oerr = job.err; owhat = job.err_what; ooff = job.err_off;
+                rs.err = job.err; rs.what = job.err_what; rs.off = job.err_off;
             }
         }
     } else {
@@ -829,16 +866,7 @@ static PyObject *py_read_into(PyObject *self, PyObject *args, PyObject *kw) {
     Py_END_ALLOW_THREADS
 
     job_destroy(&job);
-    if (eof) {
-        PyErr_Format(PyExc_EOFError, "%s: expected %zd bytes at offset %lld, file ended at %lld", path, nbytes,
-                     file_offset, fsize);
-    } else if (oerr) {
-        raise_os(oerr, owhat, path, ooff, owith_off);
-    } else if (!want_hash) {
-        result = Py_NewRef(Py_None);
-    } else {
-        result = PyLong_FromUnsignedLongLong(h);
-    }
+    result = read_result(&rs, path, nbytes, file_offset, want_hash, h);
 out:
     PyBuffer_Release(&view);
     Py_DECREF(pathb);
@@ -951,9 +979,7 @@ static PyObject *py_read_to(PyObject *self, PyObject *args, PyObject *kw) {
     pthread_t th[FCK_MAX_DEPTH];
     uint64_t h = 0;
     XXH3_state_t hs;
-    int oerr = 0, eof = 0, owith_off = 1;
-    long long ooff = 0, fsize = 0;
-    const char *owhat = NULL;
+    rstatus_t rs = {0, 0, 1, 0, 0, NULL};
     char *bounce = NULL;
 
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O&LKn|pnip:read_to", kwlist, PyUnicode_FSConverter, &pathb,
@@ -1029,22 +1055,10 @@ static PyObject *py_read_to(PyObject *self, PyObject *args, PyObject *kw) {
     r.j.nblocks = nreq;
 
     Py_BEGIN_ALLOW_THREADS
-    int fd = -1;
     struct stat st;
-    if (use_direct) {
-        fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_DIRECT);
-        if (fd < 0 && errno == EINVAL) use_direct = 0;
-    }
-    if (fd < 0 && !use_direct) fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    int fd = open_shard(path, &use_direct, end, &rs);
     if (fd < 0) {
-        oerr = errno; owhat = "opening"; owith_off = 0;
-    } else if (fstat(fd, &st) != 0) {
-        oerr = errno; owhat = "stat of"; owith_off = 0;
-    } else if (!S_ISREG(st.st_mode)) {
-        oerr = EINVAL; owhat = "opening (not a regular file)"; owith_off = 0;
-    } else if ((long long)st.st_size < end) {
-        eof = 1;
-        fsize = (long long)st.st_size;
+        /* rs says why */
     } else if (nbytes > 0) {
         r.j.fd = fd;
         r.j.direct = use_direct;  /* O_DIRECT refused at open: the same requests, buffered */
@@ -1070,10 +1084,10 @@ static PyObject *py_read_to(PyObject *self, PyObject *args, PyObject *kw) {
         if (nth > 0) join_workers(th, nth);
         h = XXH3_64bits_digest(&hs);
         if (r.j.eof) {
-            eof = 1;
-            fsize = fstat(fd, &st) == 0 ? (long long)st.st_size : r.j.err_off;
+            rs.eof = 1;
+            rs.fsize = fstat(fd, &st) == 0 ? (long long)st.st_size : r.j.err_off;
         } else if (r.j.err) {
-            oerr = r.j.err; owhat = r.j.err_what; ooff = r.j.err_off;
+            rs.err = r.j.err; rs.what = r.j.err_what; rs.off = r.j.err_off;
         }
     } else {
         h = XXH3_64bits(NULL, 0);
@@ -1081,16 +1095,7 @@ static PyObject *py_read_to(PyObject *self, PyObject *args, PyObject *kw) {
     if (fd >= 0) close(fd);
     Py_END_ALLOW_THREADS
 
-    if (eof) {
-        PyErr_Format(PyExc_EOFError, "%s: expected %zd bytes at offset %lld, file ended at %lld", path, nbytes,
-                     file_offset, fsize);
-    } else if (oerr) {
-        raise_os(oerr, owhat, path, ooff, owith_off);
-    } else if (!want_hash) {
-        result = Py_NewRef(Py_None);
-    } else {
-        result = PyLong_FromUnsignedLongLong(h);
-    }
+    result = read_result(&rs, path, nbytes, file_offset, want_hash, h);
 out:
     if (have_job) job_destroy(&r.j);  /* frees done[] */
     PyMem_Free(r.rq);
