@@ -16,6 +16,10 @@ Each contender runs in a fresh subprocess (``--child``), one after the other, re
   staging), the time the call takes to return; ``.result()`` before the next save.
 * ``dcp_async_stager``: the same with one ``DefaultStager`` reused across saves, DCP's best
   setting on CPU (the stall is until its staging completed).
+* ``paired``: fastckpt and DCP's best setting **in one process, save after save**, each round
+  with a warm memcpy of the same bytes, in rotating order: the ratio fastckpt / DCP at the
+  same moment (the headline comparison), against DCP's staging alone and with the
+  ``get_state_dict`` call a DCP user makes at each save.
 * ``train`` / ``train_ckpt``: a small CPU training loop without checkpoints, and the same loop
   with an async ``Checkpointer.save`` every ``--every`` steps; steps per second.
 
@@ -148,6 +152,83 @@ def child_dcp_async(a, stager: bool = False) -> dict:
     return {"bytes": nbytes, "stalls": stalls}
 
 
+def child_paired(a) -> dict:
+    """fastckpt's stall against DCP's best async setting **in one process, save after save**:
+    the same state, a reused ``Checkpointer`` and one reused ``DefaultStager``, each round a
+    warm memcpy of the same bytes, a fastckpt save and a DCP ``async_save`` in a rotating
+    order, each waited for before the next. Paired ratios compare the two at the same moment
+    (this VM's memory bandwidth moves by tens of percent between seconds, which unpaired
+    medians from separate processes do not cancel). DCP's stall is reported twice: staging
+    only (as ``child_dcp_async``), and with the ``get_state_dict`` call a DCP user makes at each
+    save (fastckpt's stall includes its own equivalent: walking the model and optimizer)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import fastckpt
+    m, opt, nbytes, _ = _state(a.size)
+    src = [p.detach() for p in m.parameters()] + [v for s in opt.state.values()
+                                                  for v in s.values() if v.dim() > 0]
+    dst = [torch.empty_like(t) for t in src]
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                          use_async_staging=False, use_non_blocking_copy=False))
+    rounds: list[dict] = []
+    n = [0]
+
+    def memcpy() -> float:
+        t = time.perf_counter()
+        for d, s in zip(dst, src):
+            d.copy_(s)
+        return time.perf_counter() - t
+
+    def fast(ck) -> float:
+        n[0] += 1
+        t = time.perf_counter()
+        h = ck.save({"model": m, "optim": opt}, step=n[0])
+        dt = time.perf_counter() - t
+        h.wait()
+        return dt
+
+    def dcp_save() -> tuple[float, float]:
+        n[0] += 1
+        path = os.path.join(a.dir, f"dcp-{n[0]}")
+        t = time.perf_counter()
+        msd, osd = get_state_dict(m, opt)
+        t_sd = time.perf_counter() - t
+        t = time.perf_counter()
+        fut = dcp.async_save({"model": msd, "optim": osd},
+                             storage_writer=FileSystemWriter(path), async_stager=stager)
+        if hasattr(fut, "staging_completion"):
+            fut.staging_completion.result()
+            dt = time.perf_counter() - t
+            fut.upload_completion.result()
+        else:
+            dt = time.perf_counter() - t
+            fut.result()
+        shutil.rmtree(path, ignore_errors=True)
+        return dt, t_sd
+    try:
+        with fastckpt.Checkpointer(os.path.join(a.dir, "fc"), keep_last=2) as ck:
+            memcpy(), fast(ck), dcp_save()  # allocate and touch every buffer once
+            order = ["memcpy", "fastckpt", "dcp"]
+            for i in range(a.saves):
+                r: dict = {"order": order[i % 3:] + order[:i % 3]}
+                for what in r["order"]:
+                    if what == "memcpy":
+                        r["memcpy_s"] = memcpy()
+                    elif what == "fastckpt":
+                        r["fastckpt_s"] = fast(ck)
+                    else:
+                        r["dcp_stage_s"], r["dcp_state_dict_s"] = dcp_save()
+                    time.sleep(0.1)
+                rounds.append(r)
+    finally:
+        stager.close()
+    return {"bytes": nbytes, "rounds": rounds}
+
+
 def child_train(a, with_ckpt: bool) -> dict:
     import torch
 
@@ -208,11 +289,12 @@ def main() -> None:
     if a.child:
         fn = {"fastckpt": child_fastckpt, "dcp_async": child_dcp_async,
               "dcp_async_stager": lambda a: child_dcp_async(a, stager=True),
+              "paired": child_paired,
               "train": lambda a: child_train(a, False),
               "train_ckpt": lambda a: child_train(a, True)}[a.child]
         print(json.dumps(fn(a)))
         return
-    modes = ["fastckpt", "dcp_async", "dcp_async_stager", "train", "train_ckpt"]
+    modes = ["fastckpt", "dcp_async", "dcp_async_stager", "paired", "train", "train_ckpt"]
     raw: dict[str, list] = {m: [] for m in modes}
     for rep, order in enumerate(C.rotations(modes, a.reps)):
         for mode in order:
@@ -220,7 +302,8 @@ def main() -> None:
             raw[mode].append(r)
             print(f"rep {rep + 1} {mode}: " + json.dumps(
                 {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
-                 if k not in ("stalls", "rss_after_save_mib")}), flush=True)
+                 if k not in ("stalls", "rss_after_save_mib", "rounds",
+                              "paired_stall_memcpy_s")}), flush=True)
     med = statistics.median
     f = raw["fastckpt"]
     stall_later = med([med(r["stalls"][1:]) for r in f])
@@ -229,6 +312,11 @@ def main() -> None:
     paired = med([med(st / fl for st, fl in r["paired_stall_memcpy_s"]) for r in f])
     dcp_stall = med([med(r["stalls"][1:]) for r in raw["dcp_async"]])
     dcp_best = med([med(r["stalls"][1:]) for r in raw["dcp_async_stager"]])
+    pr = [x for r in raw["paired"] for x in r["rounds"]]
+    vs_stage = med([x["fastckpt_s"] / x["dcp_stage_s"] for x in pr])
+    vs_sd = med([x["fastckpt_s"] / (x["dcp_stage_s"] + x["dcp_state_dict_s"]) for x in pr])
+    dcp_memcpy = med([x["dcp_stage_s"] / x["memcpy_s"] for x in pr])
+    fast_memcpy = med([x["fastckpt_s"] / x["memcpy_s"] for x in pr])
     rss = [r["rss_after_save_mib"] for r in f]
     peak = med([r["peak_rss_mib"] for r in f])
     state_mib = f[0]["bytes"] / C.MiB
@@ -242,6 +330,11 @@ def main() -> None:
         "stall_over_dcp_async": stall_later / dcp_stall,
         "dcp_async_reused_stager_stall_s": dcp_best,
         "stall_over_dcp_async_best": stall_later / dcp_best,
+        "paired_rounds": len(pr),
+        "paired_fastckpt_over_dcp_best_staging": vs_stage,
+        "paired_fastckpt_over_dcp_best_with_state_dict": vs_sd,
+        "paired_fastckpt_over_memcpy": fast_memcpy, "paired_dcp_best_over_memcpy": dcp_memcpy,
+        "paired_dcp_state_dict_s": med([x["dcp_state_dict_s"] for x in pr]),
         "peak_rss_above_state_mib": peak, "rss_budget_mib": 1.1 * state_mib + 200,
         "rss_after_each_save_mib": rss,
         "train_slowdown_ratio": slow,
@@ -254,6 +347,9 @@ def main() -> None:
     print(f"  DCP async_save stall {dcp_stall:.3f} s -> fastckpt/DCP {stall_later / dcp_stall:.2f}")
     print(f"  DCP async_save with a reused DefaultStager (its best here) {dcp_best:.3f} s -> "
           f"fastckpt/DCP-best {stall_later / dcp_best:.2f}")
+    print(f"  paired in one process ({len(pr)} rounds, medians of the ratios): fastckpt / DCP "
+          f"best (staging only) {vs_stage:.3f}; with DCP's get_state_dict "
+          f"{vs_sd:.3f}; fastckpt / memcpy {fast_memcpy:.3f}; DCP best / memcpy {dcp_memcpy:.3f}")
     print(f"  peak RSS above the state's own {peak:.0f} MiB (budget 1.1 x state + 200 = "
           f"{1.1 * state_mib + 200:.0f}); RSS after saves (run 1): "
           + ", ".join(f"{v:.0f}" for v in rss[0]))

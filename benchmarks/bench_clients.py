@@ -31,7 +31,6 @@ import os
 import shutil
 import sys
 import time
-import traceback
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -48,22 +47,8 @@ OPS = ("save", "load_cold", "load_warm")
 
 
 def child_main(pin: str, pout: str) -> int:
-    import json
-    with open(pin) as f:
-        payload = json.load(f)
-    res: dict[str, Any] = {"ok": False}
-    rc = 1
-    try:
-        mod = importlib.import_module(f"clients.{payload['client']}")
-        res.update(mod.run(payload))
-        res["ok"] = True
-        rc = 0
-    except BaseException as e:  # noqa: BLE001 - report everything to the parent
-        res["error"] = f"{type(e).__name__}: {e}".strip()[:1000]
-        res["traceback"] = traceback.format_exc()[-4000:]
-    with open(pout, "w") as f:
-        json.dump(res, f)
-    return rc
+    return C.child_main(pin, pout, lambda payload: importlib.import_module(
+        f"clients.{payload['client']}").run(payload))
 
 
 # =========================================================================== parent side

@@ -20,13 +20,11 @@ See benchmarks/README.md for the meaning of the columns and the caveats.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
 import sys
 import time
-import traceback
 from typing import Any
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -146,20 +144,7 @@ def _child(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def child_main(pin: str, pout: str) -> int:
-    with open(pin) as f:
-        payload = json.load(f)
-    res: dict[str, Any] = {"ok": False}
-    rc = 1
-    try:
-        res.update(_child(payload))
-        res["ok"] = True
-        rc = 0
-    except BaseException as e:  # noqa: BLE001 -- report everything to the parent
-        res["error"] = f"{type(e).__name__}: {e}".strip()[:1000]
-        res["traceback"] = traceback.format_exc()[-4000:]
-    with open(pout, "w") as f:
-        json.dump(res, f)
-    return rc
+    return C.child_main(pin, pout, _child)
 
 
 # =========================================================================== parent side

@@ -330,7 +330,7 @@ def test_bench_writes_report_chart_and_record(runs, roots):
     with open(os.path.join(roots["base"], "rep.json")) as f:
         rep = json.load(f)
     rows = {x["name"]: x for x in rep["rows"]}
-    assert set(rows) == {"raw", "fastckpt", "torch", "dcp"}
+    assert set(rows) == {"raw", "fastckpt", "torch", "dcp", "dcp4"}
     assert all(x["write_bytes_per_s"] > 0 and x["read_bytes_per_s"] > 0 for x in rows.values())
     assert rep["reps"] == 2 and all(x["n"] == 2 for x in rows.values())  # medians of 2
     assert rep["grace"]["seconds"] >= 30 + 10 + 30

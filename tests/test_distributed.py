@@ -117,6 +117,52 @@ def test_reshard_fsdp2_n_to_m(tmp_path):
     assert len(body["tensors"]["model.2.weight"]["chunks"]) == 4
 
 
+def _fsdp_fresh_optimizer_load(rank, world, root):
+    """A fresh FSDP2 optimizer is loaded without DCP's zero-gradient step: its moments are
+    DTensors laid out like the parameters, read in phase with the saved shard (zero copy)."""
+    import torch.distributed.checkpoint.state_dict as sd
+    from torch.distributed.tensor import DTensor
+    from fastckpt.engine import load as engine_load
+    m = fsdp_mlp(0, width=96)  # the middle weight: 18 KiB per rank
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    for s in range(2):
+        train_step(m, opt, s, rank, world)
+    fastckpt.save({"model": m, "optim": opt}, root, step=2)
+    want = full_state(m, opt)
+    m2 = fsdp_mlp(7, width=96)
+    opt2 = torch.optim.Adam(m2.parameters(), lr=1e-2)
+
+    def no_step(*a, **k):
+        raise AssertionError("a fresh optimizer was initialised with a zero-gradient step")
+    real_init, sd._init_optim_state = sd._init_optim_state, no_step
+    try:
+        assert fastckpt.load({"model": m2, "optim": opt2}, root) == 2
+    finally:
+        sd._init_optim_state = real_init
+    offsets = {}
+    body = json.load(open(os.path.join(root, "step-0000000002", "manifest.json")))["body"]
+    for p in m2.parameters():
+        st = opt2.state[p]
+        for k in ("exp_avg", "exp_avg_sq"):
+            v = st[k]
+            assert isinstance(v, DTensor) and v.placements == p.placements
+            assert v.to_local().shape == p.to_local().shape
+        fqn = next(n for n, q in m2.named_parameters() if q is p)
+        if st["exp_avg"].to_local().nbytes >= 4096:  # in phase with this rank's saved chunk
+            c = next(c for c in body["tensors"][f"optim.state.{fqn}.exp_avg"]["chunks"]
+                     if c["rank"] == rank)
+            offsets[fqn] = (st["exp_avg"].to_local().data_ptr() - c["offset"]) % 4096
+        assert not st["step"].is_nonzero() or float(st["step"]) == 2.0
+    got = full_state(m2, opt2)
+    assert_same(want, got)
+    return offsets
+
+
+def test_fsdp2_fresh_optimizer_is_not_stepped(tmp_path):
+    for offsets in run(_fsdp_fresh_optimizer_load, 2, str(tmp_path / "ck"), timeout=120):
+        assert offsets and set(offsets.values()) == {0}, offsets
+
+
 # ------------------------------------------------------------------------------ resume equality
 
 def _train(rank, world, root, start_steps, stop_at, total):

@@ -507,8 +507,8 @@ def test_huge_declared_tensor_is_not_allocated(root, monkeypatch):
     sizes = []
     real = engine_load.alloc_in_phase
     monkeypatch.setattr(engine_load, "alloc_in_phase",
-                        lambda body, fqn, meta: sizes.append(meta["shape"]) or real(body, fqn,
-                                                                                      meta))
+                        lambda body, fqn, meta, like=None: sizes.append(meta["shape"])
+                        or real(body, fqn, meta, like))
     with pytest.raises(CorruptCheckpointError, match="truncated"):
         fastckpt.load({}, root, strict=False)  # the checkpoint decides what is allocated
     assert sizes == []

@@ -626,3 +626,54 @@ def test_late_signal_during_teardown_keeps_the_exit_code(tmp_path):
             p.kill()
     assert p.returncode == preempt.EXIT_PREEMPTED, err[-2000:]
     assert [e for e in _events(root, 0) if e["event"] == "exit"][-1]["code"] == 143
+
+
+def test_the_signal_trap_waits_with_a_wakeup_fd_above_1023():
+    """A process with many open files (data loaders, sockets; the protocol benchmark's simulated
+    ranks) gets a wakeup pipe above fd 1023, which select() refuses: the trap's poll returned
+    at once, every time, and the signal thread spun on a core. It must wait, and still see a
+    request and a real signal."""
+    import resource
+    from fastckpt.preempt.signals import SignalTrap
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1600:
+        if hard != resource.RLIM_INFINITY and hard < 1600:
+            pytest.skip(f"RLIMIT_NOFILE hard limit {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1600, hard))
+    trap = SignalTrap({signal.SIGUSR1})
+    trap.install()
+    try:
+        high = os.dup2(trap._rfd, 1500)
+        os.close(trap._rfd)
+        trap._rfd = high
+        stop = threading.Event()
+        t0, c0 = time.monotonic(), time.thread_time()
+        woke, got = trap.poll(0.5, stop)
+        assert not woke and not got
+        assert time.monotonic() - t0 >= 0.45 and time.thread_time() - c0 < 0.2
+        trap.request()
+        woke, got = trap.poll(5, stop)
+        assert woke and [s for s, _, _ in got] == [preempt.signals.REQUEST_PREEMPT]
+        os.kill(os.getpid(), signal.SIGUSR1)
+        woke, got = trap.poll(5, stop)
+        assert woke and signal.SIGUSR1 in [s for s, _, _ in got], got
+    finally:
+        trap.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_an_emergency_save_leaves_retention_to_the_next_save(root):
+    """Retention removes files (0.25 s per 1.5 GiB step on this VM's ext4 with discard): an
+    emergency save, inside the grace window, removes no committed step; the next ordinary save
+    applies retention."""
+    ck = fastckpt.Checkpointer(root, keep_last=1)
+    state = {"w": torch.arange(1 << 16, dtype=torch.float32)}
+    ck.save(state, step=1, block=True)
+    ck.save(state, step=2, block=True)
+    assert ck.steps() == [2]
+    h = ck.emergency_save(state, 3, time.monotonic() + 30)
+    h.wait()
+    assert ck.steps() == [2, 3]  # committed, nothing removed inside the window
+    ck.save(state, step=4, block=True)
+    assert ck.steps() == [4]
+    ck.close()

@@ -136,3 +136,52 @@ def test_spans_do_not_read_through_large_gaps(root, stats):
         assert torch.equal(out[k], v), k
     assert stats[-1]["direct_bytes"] == b.nbytes, stats
     assert stats[-1]["span_bytes"] < a.nbytes + (1 << 20), stats  # not b's 2 MiB again
+
+
+def test_populate_faults_pages_in_without_changing_them():
+    """pyio.populate (MADV_POPULATE_WRITE): the pages are there afterwards (touching them takes
+    no fault) and the bytes already written are unchanged."""
+    import mmap
+    import resource
+    from fastckpt.storage import pyio
+    n = 16 << 20
+    buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    addr = pyio._address(buf)
+    buf[4096 * 3:4096 * 3 + 5] = b"hello"  # one page present, with data
+    if not pyio.populate(addr + 100, n - 200):  # an unaligned range: whole pages around it
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    assert buf[4096 * 3:4096 * 3 + 5] == b"hello" and buf[:4096] == bytes(4096)
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for off in range(0, n, 4096):
+        buf[off + 7] = 1
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+    assert faults < (n // 4096) // 8, faults  # 4096 pages; a fault each without populate
+    assert not pyio.populate(addr, 0)
+
+
+def test_the_prefault_thread_covers_the_direct_destinations(root, native, stats, monkeypatch):
+    """The prefault thread populates every direct read's destination, whole; the load stays
+    bit-exact."""
+    import mmap
+    from fastckpt.storage import pyio
+    probe = mmap.mmap(-1, 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if not pyio.populate(pyio._address(probe), 4096):
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    calls = []
+    real = R.populate
+    monkeypatch.setattr(R, "populate", lambda a, n: calls.append((a, n)) or real(a, n))
+    m, opt = _model_opt(0, stepped=True)
+    fastckpt.save({"model": m, "optim": opt}, root, step=1)
+    m2, opt2 = _model_opt(1, stepped=False)
+    assert fastckpt.load({"model": m2, "optim": opt2}, root) == 1
+    for p, p2 in zip(m.parameters(), m2.parameters()):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][k], opt2.state[p2][k])
+    covered = sum(n for _, n in calls)
+    assert stats[-1]["direct_chunks"] >= 4 and covered == stats[-1]["direct_bytes"], (calls, stats)
+    for p2 in m2.parameters():
+        for k in ("exp_avg", "exp_avg_sq"):
+            t = opt2.state[p2][k]
+            if t.nbytes >= (1 << 20):  # a direct read: its whole destination was populated
+                assert sum(n for a, n in calls if t.data_ptr() <= a < t.data_ptr() + t.nbytes
+                           ) == t.nbytes

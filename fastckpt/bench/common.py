@@ -41,8 +41,9 @@ __all__ = [
     "KiB", "MiB", "GiB", "parse_size", "human_bytes", "utc_now", "mount_of", "machine_info",
     "git_commit", "source_checkout", "pkg_version", "base_versions", "child_env", "drop_caches",
     "can_drop_caches", "evict", "mem_available", "OpMeter", "reset_peak_rss", "run_child",
-    "run_children", "FIO", "fio_version", "parse_fio_json", "run_fio", "rotations", "median",
-    "summarize", "format_table", "write_json",
+    "run_children", "run_gloo_children", "first_failure", "free_port", "FIO", "fio_version",
+    "parse_fio_json", "run_fio", "rotations", "median", "summarize", "format_table",
+    "write_json",
 ]
 
 KiB = 1 << 10
@@ -310,6 +311,27 @@ class OpMeter:
 
 # ------------------------------------------------------------------------- child processes
 
+def child_main(pin: str, pout: str, body: Callable[[dict[str, Any]], dict[str, Any]]) -> int:
+    """(a benchmark's child process) ``body(payload read from pin)``, its result dict written
+    to ``pout`` with ``"ok": true``; anything raised goes to the parent as ``error`` and
+    ``traceback`` instead (exit status 1)."""
+    import traceback
+    with open(pin) as f:
+        payload = json.load(f)
+    res: dict[str, Any] = {"ok": False}
+    rc = 1
+    try:
+        res.update(body(payload))
+        res["ok"] = True
+        rc = 0
+    except BaseException as e:  # noqa: BLE001 - report everything to the parent
+        res["error"] = f"{type(e).__name__}: {e}".strip()[:1000]
+        res["traceback"] = traceback.format_exc()[-4000:]
+    with open(pout, "w") as f:
+        json.dump(res, f)
+    return rc
+
+
 def run_children(argvs: Sequence[Sequence[str]], payload: dict[str, Any], timeout: float, *,
                  envs: Sequence[dict[str, str]] | None = None,
                  on_line: Callable[[int, str], None] | None = None,
@@ -427,6 +449,38 @@ def run_child(argv: Sequence[str], payload: dict[str, Any], timeout: float,
     """Run ``argv + [payload_json_file, result_json_file]`` in a fresh process; its result
     (see :func:`run_children`)."""
     return run_children([argv], payload, timeout, envs=[env] if env is not None else None)[0]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a process group's store)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_gloo_children(argv: Sequence[str], payload: dict[str, Any], n: int, timeout: float, *,
+                      on_line: Callable[[int, str], None] | None = None
+                      ) -> list[dict[str, Any]]:
+    """:func:`run_children` of ``n`` copies of ``argv``, as the ranks of one process group:
+    ``MASTER_ADDR=127.0.0.1``, a fresh ``MASTER_PORT``, ``RANK``/``LOCAL_RANK``,
+    ``WORLD_SIZE`` and ``OMP_NUM_THREADS`` (the CPUs shared out) in their environments."""
+    port, threads = free_port(), max(1, (os.cpu_count() or 1) // n)
+    base = child_env()
+    envs = [dict(base, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
+                 WORLD_SIZE=str(n), LOCAL_RANK=str(r), OMP_NUM_THREADS=str(threads))
+            for r in range(n)]
+    return run_children([list(argv)] * n, payload, timeout, envs=envs, on_line=on_line)
+
+
+def first_failure(results: Sequence[dict[str, Any]]) -> tuple[int, str] | None:
+    """(index, error) of the child that failed first in effect: one that lost a peer fails
+    with a connection error, so the others are named before it; None when all are ok."""
+    errors = {i: str(x.get("error", "failed")) for i, x in enumerate(results) if not x.get("ok")}
+    if not errors:
+        return None
+    real = {i: m for i, m in errors.items() if "Connection" not in m} or errors
+    return sorted(real.items())[0]
 
 
 # fio and the statistics live in their own modules; this is the one import for scripts

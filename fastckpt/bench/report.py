@@ -13,16 +13,42 @@ import time
 from . import common
 from .record import BENCH_FILE, BENCH_FORMAT, BENCH_VERSION, is_local, join, local_path
 
-CONTENDERS = ("raw", "fastckpt", "torch", "dcp")
-LABELS = {"raw": "raw I/O", "fastckpt": "fastckpt", "torch": "torch.save", "dcp": "DCP"}
+CONTENDERS = ("raw", "fastckpt", "torch", "dcp", "dcp4")
+LABELS = {"raw": "raw I/O", "fastckpt": "fastckpt", "torch": "torch.save", "dcp": "DCP",
+          "dcp4": "DCP 4 threads"}
 PHASES = {"raw": ("raw write", "raw read"), "fastckpt": ("fastckpt save", "fastckpt load"),
-          "torch": ("torch save", "torch load"), "dcp": ("dcp save", "dcp load")}
-STATE_CONTENDERS = ("fastckpt", "torch", "dcp")
+          "torch": ("torch save", "torch load"), "dcp": ("dcp save", "dcp load"),
+          "dcp4": ("dcp4 save", "dcp4 load")}
+STATE_CONTENDERS = ("fastckpt", "torch", "dcp", "dcp4")
+#: FileSystemWriter's thread_count per DCP contender (None: DCP's default, 1)
+DCP_THREADS = {"dcp": None, "dcp4": 4}
+DCP_CONTENDERS = tuple(DCP_THREADS)
+#: how ``raw`` was measured: fio (local target, fio installed) or fastckpt's own I/O layer
+RAW_SOURCES = {"fio": "fio: sequential O_DIRECT write (+end_fsync) / read, bs 16M, iodepth 8, "
+                      "libaio, fio's own runtime, best of its layouts",
+               "fastckpt-io": "fastckpt's I/O layer (Storage.write_shard / read_into), "
+                              "one file per rank"}
+LOAD_METHOD = ("restart: each load in fresh processes (one per rank, a new gloo group) that "
+               "build the model and a fresh optimizer (no moments yet); page cache evicted; "
+               "only the load timed, barrier to barrier, the slowest rank")
 #: where the report and the chart go by default: TARGET/.fastckpt-bench/report.{json,png}
 REPORT_DIR = ".fastckpt-bench"
 DEFAULT_REPS = 3
 DEFAULT_LAYERS = 16
 INTERLEAVE = "every contender once per repetition, the order rotated by one each repetition"
+
+
+def memory_needed(size: int, contenders: tuple[str, ...] | list[str]) -> int:
+    """Bytes of memory a run needs, about: the savers' state, fastckpt's staging buffer (kept
+    for the whole run) and, during a turn, the fresh loaders' state (plus torch.load's copy of
+    it) or the raw I/O buffer."""
+    c = set(contenders)
+    has_state = bool(c & set(STATE_CONTENDERS))
+    state = 1.0 if has_state else 0.0
+    staging = 1.0 if "fastckpt" in c else 0.0
+    loaders = (2.0 if "torch" in c else 1.0) if has_state else 0.0
+    raw = 1.0 if "raw" in c else 0.0
+    return int(round(size * (state + staging + max(loaders, raw) + 0.1)))
 
 
 def report_paths(target: str) -> tuple[str, str]:
@@ -103,6 +129,8 @@ def summarize(raw: dict, *, state_size: int | None = None, step_drain_s: float =
     state_bytes = int(r0.get("state_bytes", raw["size"]))
     raw_bytes = int(r0.get("raw_bytes", raw["size"]))
     rows = []
+    raw_info = raw.get("raw") or {}
+    loads = r0.get("loads") or []
     for c in raw["contenders"]:
         nb = raw_bytes if c == "raw" else state_bytes
         ws_all, rs_all = samples(PHASES[c][0]), samples(PHASES[c][1])
@@ -114,6 +142,19 @@ def summarize(raw: dict, *, state_size: int | None = None, step_drain_s: float =
                      "n": min(len(ws_all), len(rs_all)), "write_s_samples": ws_all,
                      "read_s_samples": rs_all,
                      "warmup_write_s": warm(PHASES[c][0]), "warmup_read_s": warm(PHASES[c][1])})
+        if c == "raw":
+            rows[-1]["source"] = raw_info.get("source")
+            if raw_info.get("source") == "fio":
+                rows[-1]["label"] = "raw I/O (fio)"
+        elif c in STATE_CONTENDERS:
+            mine = [x for x in loads if x.get("contender") == c and x.get("rep") is not None]
+            rows[-1].update(
+                load_fresh_processes=True,
+                load_verified=all(x.get("verified") for x in mine) if mine else None,
+                load_setup_s_samples=[max(x["setup_s"]) for x in mine],
+                load_process_s_samples=[max(x["process_s"]) for x in mine])
+            if c in DCP_THREADS:
+                rows[-1]["dcp_thread_count"] = DCP_THREADS[c] or 1
     by = {r["name"]: r for r in rows}
     rawr = by.get("raw")
     for r in rows:
@@ -122,11 +163,18 @@ def summarize(raw: dict, *, state_size: int | None = None, step_drain_s: float =
             r[f"{k}_vs_raw"] = bw / base if bw and base else None
     fck = by.get("fastckpt")
     speedup = {}
-    if fck and fck["write_s"]:
+    if fck and fck["write_s"] and fck["read_s"]:
         for r in rows:
-            if r["name"] in ("torch", "dcp") and r["write_s"] and r["read_s"]:
+            if r["name"] in ("torch",) + DCP_CONTENDERS and r["write_s"] and r["read_s"]:
                 speedup[r["name"]] = {"save": r["write_s"] / fck["write_s"],
                                       "load": r["read_s"] / fck["read_s"]}
+        dcps = [r for r in rows if r["name"] in DCP_CONTENDERS and r["write_s"] and r["read_s"]]
+        if dcps:  # against the best DCP of the run, phase by phase
+            bw = min(dcps, key=lambda r: r["write_s"])
+            br = min(dcps, key=lambda r: r["read_s"])
+            speedup["dcp_best"] = {"save": bw["write_s"] / fck["write_s"],
+                                   "load": br["read_s"] / fck["read_s"],
+                                   "save_by": bw["name"], "load_by": br["name"]}
     grace = None
     save_bw = fck and fck["write_bytes_per_s"]
     if save_bw:
@@ -155,6 +203,12 @@ def summarize(raw: dict, *, state_size: int | None = None, step_drain_s: float =
         "geometry": r0.get("geometry"),
         "ranks": raw["ranks"], "reps": raw.get("reps", 1), "warmup": raw.get("warmup", False),
         "interleave": INTERLEAVE, "orders": r0.get("orders", []),
+        "load_method": raw.get("load"), "loads": loads,
+        "raw_source": raw_info.get("source"),
+        "raw_source_description": RAW_SOURCES.get(raw_info.get("source") or ""),
+        "raw_source_reason": raw_info.get("reason"),
+        "fio_version": raw_info.get("fio_version"),
+        "raw_fio": r0.get("fio") or [],
         "statistic": "median over the repetitions of the slowest rank's time",
         "rows": rows, "fastckpt_speedup": speedup,
         "fastckpt_staged_s": common.median(staged), "fastckpt_staged_s_samples": staged,
@@ -200,6 +254,9 @@ def engine_record(report: dict) -> dict:
         "save_staged_s": report.get("fastckpt_staged_s"),
         "grace": report.get("grace"), "fastckpt_version": report["fastckpt_version"],
         "io_backend": report.get("io_backend"),
+        # additive (readers ignore unknown keys): where raw_write/raw_read come from, and that
+        # "load" is a restart load in fresh processes
+        "raw_source": report.get("raw_source"), "load_method": "fresh-process restart",
     }
 
 

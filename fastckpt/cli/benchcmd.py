@@ -34,8 +34,13 @@ from .base import (EXIT_CODES_HELP, EXIT_OK, EXIT_PROBLEM, EXIT_STORAGE, EXIT_US
 @click.option("--safety", type=float, default=0.25, show_default=True, metavar="FRACTION",
               help="Safety margin as a fraction of the rest (at least --safety-min).")
 @click.option("--safety-min", type=float, default=30.0, show_default=True, metavar="S")
-@click.option("--contenders", default=",".join(("raw", "fastckpt", "torch", "dcp")),
-              show_default=True, help="Comma list of raw,fastckpt,torch,dcp.")
+@click.option("--contenders", default=",".join(("raw", "fastckpt", "torch", "dcp", "dcp4")),
+              show_default=True, help="Comma list of raw,fastckpt,torch,dcp,dcp4 (dcp4: DCP's "
+              "FileSystemWriter with thread_count=4).")
+@click.option("--raw", "raw_mode", type=click.Choice(["auto", "fio", "fastckpt-io"]),
+              default="auto", show_default=True,
+              help="How the raw I/O limit is measured: fio on a local TARGET when installed "
+                   "(auto; fio: fail without it), else fastckpt's own I/O layer.")
 @click.option("--report", default=None, metavar="PATH",
               help="Where to write the full JSON report ('' to skip) "
                    "[default: TARGET/.fastckpt-bench/report.json].")
@@ -52,15 +57,18 @@ from .base import (EXIT_CODES_HELP, EXIT_OK, EXIT_PROBLEM, EXIT_STORAGE, EXIT_US
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def bench(target: str, size: int, ranks: int, reps: int, warmup: bool, state_size: int | None,
           step_drain: float, barrier: float, safety: float, safety_min: float, contenders: str,
-          report: str | None, png: str | None, out: str | None, no_record: bool, create: bool,
-          keep_files: bool, force: bool, as_json: bool) -> int:
+          raw_mode: str, report: str | None, png: str | None, out: str | None, no_record: bool,
+          create: bool, keep_files: bool, force: bool, as_json: bool) -> int:
     """Benchmark checkpoint I/O on TARGET (a path or URL) and size the preemption window.
 
-    Measures raw write/read bandwidth, fastckpt save/load of a synthetic model + Adam state
-    of --size, and torch.save and DCP on the same state: a warm-up round, then --reps
-    repetitions with the contenders interleaved (the order rotated each time). Prints a table
-    of medians with ratios, writes the JSON report and a PNG chart (TARGET/.fastckpt-bench/),
-    then the grace window the job needs
+    Measures the raw write/read limit (fio on a local TARGET when installed, else fastckpt's
+    I/O layer), fastckpt save/load of a synthetic model + Adam state of --size, and
+    torch.save and DCP (default threads and 4 threads) on the same state: a warm-up round of
+    saves, then --reps repetitions with the contenders interleaved (the order rotated each
+    time). Every load is a restart: --ranks fresh processes build the model and a fresh
+    optimizer, then load from a cold page cache. Prints a table of medians with ratios
+    (fastckpt against the best DCP of the run), writes the JSON report and a PNG chart
+    (TARGET/.fastckpt-bench/), then the grace window the job needs
 
     \b
       T_grace >= state/save_bandwidth + step drain + barrier + safety
@@ -68,7 +76,7 @@ def bench(target: str, size: int, ranks: int, reps: int, warmup: bool, state_siz
 
     with the matching Slurm --signal lead time and Kubernetes terminationGracePeriodSeconds.
     The measured bandwidths go to TARGET/.fastckpt-bench.json (or --out) for the engine.
-    TARGET must exist (or pass --create). Needs about 3x --size of free memory and 1x of free
+    TARGET must exist (or pass --create). Needs about 4x --size of free memory and 1x of free
     space on TARGET.
     """
     _set_json(as_json)
@@ -84,6 +92,14 @@ def bench(target: str, size: int, ranks: int, reps: int, warmup: bool, state_siz
         raise click.BadParameter("memory:// lives in one process; --ranks > 1 needs storage "
                                  "the rank processes share", param_hint="--ranks")
     target = target.rstrip("/") or "/"
+    if raw_mode == "fio" and "raw" in cont:
+        from ..bench import fio
+        if not B.is_local(target):
+            raise click.BadParameter("fio measures local paths only (the target is a URL)",
+                                     param_hint="--raw")
+        if fio.fio_version() is None:
+            raise click.BadParameter(f"fio is not installed ({fio.FIO!r} not found; set $FIO)",
+                                     param_hint="--raw")
     if B.is_local(target):
         p = B.local_path(target)
         if not os.path.exists(p) and not create:
@@ -134,7 +150,8 @@ def bench(target: str, size: int, ranks: int, reps: int, warmup: bool, state_siz
                                    highlight=False, markup=False)
         try:
             raw = B.run_bench(target, size, ranks=ranks, contenders=cont, reps=reps,
-                              warmup=warmup, keep_files=keep_files, create=create, emit=emit)
+                              warmup=warmup, keep_files=keep_files, create=create, emit=emit,
+                              raw=raw_mode)
         except B.BenchError as e:
             raise CliError(f"benchmark failed: {e}", EXIT_PROBLEM) from None
         except FileNotFoundError as e:  # removed meanwhile
@@ -143,6 +160,10 @@ def bench(target: str, size: int, ranks: int, reps: int, warmup: bool, state_siz
             raise CliError(f"cannot benchmark {target}: {e}", EXIT_STORAGE) from None
     rep = B.summarize(raw, state_size=state_size, step_drain_s=step_drain, barrier_s=barrier,
                       safety_fraction=safety, safety_min_s=safety_min)
+    bad_loads = [r["label"] for r in rep["rows"] if r.get("load_verified") is False]
+    if bad_loads:
+        notes.append(f"WARNING: the state loaded by {', '.join(bad_loads)} differs from the "
+                     "saved one (see loads[].mismatched in the report)")
     files: dict[str, str | None] = {"report": None, "png": None, "record": None}
     rep["files"] = files
     own = B.join(target, B.REPORT_DIR)
@@ -194,9 +215,21 @@ def _print_bench(rep: dict) -> None:
     _echo(f"fastckpt bench: {rep['target']}  state {_hb(rep['state_bytes'])}, {rep['ranks']} "
           f"rank(s), I/O backend {rep.get('io_backend') or '-'}, page cache {rep['cache']}")
     n = rep.get("reps", 1)
-    warm = "after a warm-up round" if rep.get("warmup") else "no warm-up"
+    warm = "after a warm-up round of saves" if rep.get("warmup") else "no warm-up"
     _echo(f"medians of {n} repetition{'s' if n != 1 else ''}, contenders interleaved (order "
           f"rotated each repetition), {warm}")
+    if any(r.get("load_fresh_processes") for r in rep["rows"]):
+        if str(rep.get("load_method")).startswith("restart"):
+            _echo(f"loads: restarts, in {rep['ranks']} fresh process(es) per load that build "
+                  "the model and a fresh optimizer; only the load is timed")
+        else:
+            _echo(f"loads: {rep.get('load_method')}")
+    src = rep.get("raw_source")
+    if src == "fio":
+        _echo(f"raw I/O: {rep.get('fio_version') or 'fio'}, sequential O_DIRECT, fio's own "
+              "runtime, best of its layouts (1 or 2 files, preallocated or not)")
+    elif src:
+        _echo(f"raw I/O: fastckpt's I/O layer (not fio: {rep.get('raw_source_reason')})")
     t = _table("METHOD", "WRITE/SAVE", "GiB/s", "VS RAW", "READ/LOAD", "GiB/s", "VS RAW")
     for r in rep["rows"]:
         if r.get("skipped"):
@@ -210,10 +243,18 @@ def _print_bench(rep: dict) -> None:
                   f"{r['read_bytes_per_s'] / gib:.2f}" if r["read_bytes_per_s"] else "-",
                   _x(r["read_vs_raw"]))
     _print_table(t)
+    names = {"torch": "torch.save", "dcp": "DCP (default, 1 thread)", "dcp4": "DCP (4 threads)"}
     for name, sp in rep["fastckpt_speedup"].items():
-        label = {"torch": "torch.save", "dcp": "DCP"}[name]
-        _echo(f"fastckpt vs {label}: save {sp['save']:.2f}x, load {sp['load']:.2f}x "
-              "(>1: fastckpt is faster)")
+        if name == "dcp_best":
+            continue
+        _echo(f"fastckpt vs {names.get(name, name)}: save {sp['save']:.2f}x, load "
+              f"{sp['load']:.2f}x (>1: fastckpt is faster)")
+    best = rep["fastckpt_speedup"].get("dcp_best")
+    if best:
+        short = {"dcp": "default", "dcp4": "4 threads"}
+        _echo(f"fastckpt vs the best DCP: save {best['save']:.2f}x (DCP "
+              f"{short.get(best['save_by'], best['save_by'])}), load {best['load']:.2f}x (DCP "
+              f"{short.get(best['load_by'], best['load_by'])})")
     if rep.get("fastckpt_staged_s") is not None:
         _echo(f"training blocked by a fastckpt save (staging): {rep['fastckpt_staged_s']:.2f} s")
     first = rep.get("fastckpt_first_save") or {}

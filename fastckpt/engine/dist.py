@@ -155,12 +155,14 @@ class Exchange:
         return int(self._call(self._store.add, key, amount))
 
     def warm(self, n: int = 1) -> None:
-        """Open ``n`` dedicated connections ahead of need (a stop should not start with
+        """Have ``n`` idle dedicated connections ahead of need (a stop should not start with
         connects). Best effort."""
         if self._store is None:
             return
+        with self._cond:
+            n -= len(self._idle)
         try:
-            conns = [self._store.clone() for _ in range(n)]
+            conns = [self._store.clone() for _ in range(max(0, n))]
         except Exception:  # noqa: BLE001 - opened on demand instead
             return
         with self._cond:
@@ -186,6 +188,12 @@ class Exchange:
             with self._cond:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
+                # a command on the shared connection first: the keys may be there already (no
+                # connection to open), and a dead store fails it at once, where a clone would
+                # retry its connect for the store's whole timeout
+                if self._call(self._store.check, keys):
+                    ok = True
+                    break
                 conn = self._call(self._store.clone)
             try:
                 conn.wait(keys, datetime.timedelta(seconds=left))

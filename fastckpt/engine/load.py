@@ -28,18 +28,40 @@ from .state import is_dtensor, plan_load, plan_read
 log = logging.getLogger("fastckpt")
 
 
-def alloc_in_phase(body: dict, fqn: str, meta: dict) -> torch.Tensor:
+def alloc_in_phase(body: dict, fqn: str, meta: dict, like: torch.Tensor | None = None
+                   ) -> torch.Tensor:
     """A tensor the load creates (e.g. the moments of a freshly built optimizer), placed at an
-    address with the same remainder modulo 4096 as its first saved chunk's file offset, so the
+    address with the same remainder modulo 4096 as its saved chunk's file offset, so the
     reader can fill it with O_DIRECT without a read buffer or a copy (see
-    ``FastCkptReader._direct_ok``). A view into a storage at most 4 KiB larger."""
+    ``FastCkptReader._direct_ok``). A view into a storage at most 4 KiB larger.
+
+    ``like``: a DTensor (an FSDP2 parameter) the new tensor is laid out like: a DTensor on the
+    same mesh and placements whose local shard is allocated this way, in phase with the saved
+    chunk that holds exactly this rank's shard if there is one (saved at the same world size)."""
     shape, dtype = tuple(meta["shape"]), meta["dtype"]
+    offsets: tuple = (0,) * len(shape)
+    if like is not None:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        local_shape, offsets = compute_local_shape_and_global_offset(
+            like.shape, like.device_mesh, like.placements)
+        if tuple(local_shape) != tuple(like.to_local().shape):  # a layout we do not know
+            return torch.empty_like(like)
+        local = _alloc_local(body, fqn, tuple(local_shape), tuple(offsets), dtype)
+        return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                                  shape=like.shape, stride=like.stride())
+    return _alloc_local(body, fqn, shape, offsets, dtype)
+
+
+def _alloc_local(body: dict, fqn: str, shape: tuple, offsets: tuple,
+                 dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * dtype.itemsize
-    first = next((c for c in body["tensors"][fqn]["chunks"] if not any(c["offsets"])), None)
-    if first is None or nbytes < fmt.ALIGN:
+    at = [c for c in body["tensors"][fqn]["chunks"] if tuple(c["offsets"]) == offsets]
+    chunk = next((c for c in at if tuple(c["sizes"]) == shape), at[0] if at else None)
+    if chunk is None or nbytes < fmt.ALIGN:
         return torch.empty(shape, dtype=dtype)
     raw = torch.empty(nbytes + fmt.ALIGN, dtype=torch.uint8)
-    skip = (int(first["offset"]) - raw.data_ptr()) % fmt.ALIGN
+    skip = (int(chunk["offset"]) - raw.data_ptr()) % fmt.ALIGN
     return raw[skip:skip + nbytes].view(dtype).view(shape)
 
 
@@ -90,7 +112,7 @@ def _load_once(storage: Storage, state: dict | None, *, step: int | None, verify
                                 world_size=world)
         reader.check_per_rank()
         reader.check_files()  # the files really hold what the manifest says, before allocating
-        alloc = lambda fqn, m: alloc_in_phase(body, fqn, m)  # noqa: E731
+        alloc = lambda fqn, m, like=None: alloc_in_phase(body, fqn, m, like)  # noqa: E731
         if state is None:  # the whole checkpoint, as saved
             state, plan = plan_read(tree, meta, alloc=alloc)
         else:

@@ -36,7 +36,7 @@ from ..storage import Storage, open_storage
 from ..storage.base import storage_error
 from ..storage.local import LocalStorage
 from ..storage.native import get_backend
-from ..storage.pyio import _address, _raw_view, aligned_buffer
+from ..storage.pyio import _address, _raw_view, aligned_buffer, populate
 from . import device as _device
 from . import dist as _dist
 from .dtypes import torch_dtype
@@ -296,6 +296,7 @@ class FastCkptReader(StorageReader):
             raise
         ready: queue.Queue = queue.Queue()
         stop = threading.Event()
+        abandon = threading.Event()  # the prefault thread's: a failed or abandoned load
         todo = iter(items)
         todo_lock = threading.Lock()
 
@@ -327,6 +328,10 @@ class FastCkptReader(StorageReader):
                     return
         threads = [threading.Thread(target=reader, name=f"fastckpt-reader-{i}", daemon=True)
                    for i in range(nthreads)]
+        directs = [it for it in items if isinstance(it, _Direct)]
+        if directs:  # their destinations' first-touch faults, ahead of the reads (see _populate)
+            threads.append(threading.Thread(target=_populate, args=(directs, abandon),
+                                            name="fastckpt-prefault", daemon=True))
         for t in threads:
             t.start()
         try:
@@ -343,6 +348,9 @@ class FastCkptReader(StorageReader):
                 yield it, buf, h
                 if buf is not None:
                     free.put(buf)
+        except BaseException:
+            abandon.set()
+            raise
         finally:
             stop.set()
             for _ in threads:
@@ -465,6 +473,8 @@ SPAN_MAX = 64 << 20
 SPAN_GAP_MAX = 1 << 20
 #: spans read at once (each with the I/O backend's own requests in flight)
 READ_STREAMS = 2
+#: the prefault thread's step (bytes per madvise call; it checks for the end between them)
+PREFAULT_SLICE = 8 << 20
 #: chunks from this size up are read straight into their destination when it allows
 DIRECT_MIN = 1 << 20
 #: checkpoints up to this size are read through the page cache (see _read_direct_io)
@@ -494,6 +504,22 @@ class _Span:
     @property
     def length(self) -> int:
         return self.end - self.start
+
+
+def _populate(directs: list[_Direct], stop: threading.Event) -> None:
+    """(a thread of its own) Fault in the direct reads' destinations, in the order they are
+    read, ahead of the readers. A restarted job's fresh tensors (a new optimizer's moments) have
+    no pages yet; an O_DIRECT read takes each page's fault inside the read call, on the reader
+    thread, before its request reaches the device, so faults and I/O took turns. Here they
+    overlap: the device reads while this thread faults the next destinations (measured:
+    docs/benchmarks.md, restart load). Pages are only populated, never written; a reader that
+    gets to a page first faults it itself. Pages already present (a stepped state, or read
+    before this thread got to them) cost a page-table walk; a failed load stops it."""
+    for d in directs:
+        addr, n = d.reqs[0][3].data_ptr(), d.length
+        for a in range(0, n, PREFAULT_SLICE):
+            if stop.is_set() or not populate(addr + a, min(PREFAULT_SLICE, n - a)):
+                return
 
 
 def _spans(by_chunk: dict[tuple[str, int], list]) -> list[_Span]:

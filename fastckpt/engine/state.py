@@ -117,24 +117,42 @@ def _fresh_optim_sd(o: torch.optim.Optimizer, model: torch.nn.Module) -> dict:
     return {"state": {}, "param_groups": groups}
 
 
-def _fresh_plain_optimizer(o: torch.optim.Optimizer, modules: list, skel: Any) -> dict | None:
-    """For a freshly built optimizer over plain (non-DTensor) parameters whose saved groups name
-    exactly the model's parameters: ``{id(param): fqn}``. Such an optimizer is loaded straight
-    from the checkpoint; DCP's helper would first run a zero-gradient step to create the state
-    (allocating and computing over every moment) only to overwrite it. Else None."""
+def _fresh_optimizer(o: torch.optim.Optimizer, modules: list, skel: Any) -> dict | None:
+    """For a freshly built optimizer (no state yet) whose saved groups name exactly the model's
+    parameters (DCP's FQNs): ``{id(param): fqn}``. Such an optimizer is loaded straight from the
+    checkpoint; DCP's helper would first run a zero-gradient step to create the state
+    (allocating and computing over every moment: over a second per GiB of moments on a CPU
+    core) only to overwrite it. Plain and DTensor (FSDP2) parameters alike. Else None."""
     if o.state:
         return None
     model = _model_for(o, modules)
     if model is None:
         return None
-    names = {id(p): n for n, p in model.named_parameters()}
-    params = [p for g in o.param_groups for p in g["params"]]
-    if any(is_dtensor(p) for p in params):
-        return None
+    names = _param_fqns(model)
     groups = decode_value(_skel_items_dict(skel).get("param_groups", []), lambda f: None)
     saved = [list(g.get("params", [])) for g in groups] if isinstance(groups, list) else None
     mine = [[names.get(id(p)) for p in g["params"]] for g in o.param_groups]
     return names if saved == mine else None
+
+
+def _fresh_moments(o: torch.optim.Optimizer, names: dict, skel: Any, meta: dict,
+                   alloc: Callable) -> dict:
+    """The destinations of a fresh optimizer's saved per-parameter state where a parameter is a
+    DTensor (FSDP2): DTensors laid out like the parameter (``alloc(fqn, meta, like=param)``), so
+    the load reads this rank's shard only and reshards like DCP; the rest (plain parameters,
+    scalars such as Adam's ``step``) are allocated as saved. ``{"state": {param fqn: {key:
+    tensor}}}``, for ``_checkpoint_driven`` to fill in place."""
+    by_fqn = {names[id(p)]: p for g in o.param_groups for p in g["params"] if id(p) in names}
+    out: dict[str, dict] = {}
+    for pfqn, pskel in skel_items(_skel_items_dict(skel).get("state")) or []:
+        p = by_fqn.get(pfqn)
+        if p is None or not is_dtensor(p):
+            continue
+        for k, tskel in skel_items(pskel) or []:
+            m = meta.get(tskel.get(TENSOR_TAG)) if isinstance(tskel, dict) else None
+            if m is not None and tuple(m["shape"]) == tuple(p.shape) and m["dtype"] == p.dtype:
+                out.setdefault(pfqn, {})[k] = alloc(tskel[TENSOR_TAG], m, like=p)
+    return {"state": out}
 
 
 def _skel_items_dict(skel: Any) -> dict:
@@ -345,9 +363,10 @@ def _plan_slot(container: Any, k: Any, skel: Any, path: tuple, plan: LoadPlan, m
         plan.finish.append(load_module)
         return
     if _is_optimizer(dest):
-        fast = _fresh_plain_optimizer(dest, modules, skel)
+        fast = _fresh_optimizer(dest, modules, skel)
         if fast is not None:  # nothing to initialise: the checkpoint says what there is
-            tree = _checkpoint_driven({}, skel, path, plan, meta, alloc)
+            tree = _checkpoint_driven(_fresh_moments(dest, fast, skel, meta, alloc), skel, path,
+                                      plan, meta, alloc)
             plan.finish.append(lambda o=dest, tree=tree, names=fast:
                                o.load_state_dict(_by_param_index(o, tree, names)))
             return

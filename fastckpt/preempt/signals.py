@@ -16,6 +16,7 @@ stop from code (``-1`` preempt, ``-2`` cancel).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import select
 import signal
@@ -143,21 +144,47 @@ class SignalTrap:
             except OSError:
                 pass
 
-    def poll(self, timeout: float, stop: threading.Event) -> tuple[bool, list[tuple]]:
-        """(watcher) Wait up to ``timeout`` for a delivery; (woke, [(signum, wall time, source)])
+    @property
+    def has_fd(self) -> bool:
+        """Deliveries wake ``poll`` through the wakeup fd (it may then wait without a timeout:
+        ``wake`` ends the wait)."""
+        return self._rfd >= 0
+
+    def wake(self) -> None:
+        """(any thread) End a ``poll`` in progress (nothing is recorded)."""
+        if self._wfd >= 0:
+            try:
+                os.write(self._wfd, b"\0")
+            except OSError:
+                pass
+
+    def poll(self, timeout: float | None, stop: threading.Event) -> tuple[bool, list[tuple]]:
+        """(watcher) Wait up to ``timeout`` (None: until a delivery or ``wake``; only with the
+        wakeup fd) for a delivery; (woke, [(signum, wall time, source)])
         of the signals not returned before. The wakeup fd counts deliveries; the handlers' list
         is read for ``request`` and where there is no wakeup fd (off the main thread)."""
         woke = False
         out: list[tuple] = []
-        if self._rfd >= 0:
+        fd = self._rfd
+        if fd >= 0:
+            # poll(2), not select(2): select refuses an fd above 1023 (a process with many open
+            # files, sockets or simulated ranks), and that failure returned at once, every time:
+            # the signal thread spun on a core instead of waiting
+            p = select.poll()
+            p.register(fd, select.POLLIN)
             try:
-                r, _, _ = select.select([self._rfd], [], [], timeout)
-            except (OSError, ValueError):
+                r = p.poll(None if timeout is None else max(0, math.ceil(timeout * 1000)))
+            except OSError:
+                r = []
+            if r and not r[0][1] & select.POLLIN:
+                # POLLNVAL/POLLHUP: the pipe was closed under us (close()): wait as the no-fd
+                # path does, not spin
+                stop.wait(timeout if timeout is not None else 0.1)
                 r = []
             if r:
                 woke = True
                 try:
-                    data = os.read(self._rfd, 512)
+                    data = os.read(fd, 512)
                 except OSError:
                     data = b""
                 now = time.time()
@@ -168,7 +195,7 @@ class SignalTrap:
                     except OSError:
                         pass
         else:
-            stop.wait(timeout)
+            stop.wait(timeout if timeout is not None else 0.1)
         while self._seen < len(self._handler_sigs):
             signum, t = self._handler_sigs[self._seen]
             self._seen += 1

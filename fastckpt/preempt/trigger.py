@@ -12,9 +12,9 @@ Call sequence (who makes each call):
    at once even while the training thread is blocked in a C call or a collective) and the
    watcher thread.
 2. (all ranks, two threads) the *signal thread* waits on the trap's wakeup fd (local, no store
-   traffic). On a local signal it publishes ``sig/<rank>`` and ``stop`` (the signal's time and
-   expected SIGKILL) and sets ``wake/<r>`` for every rank r. The *store watcher* of each rank
-   sits in one server-side wait for its own ``wake/<rank>`` on a dedicated store connection:
+   traffic). On a local signal it publishes ``sig/<rank>`` and sets ``wake/<r>`` for every rank
+   r to the signal's time and expected SIGKILL (the tree below copies that value on). The
+   *store watcher* of each rank sits in one server-side wait for its own ``wake/<rank>`` on a dedicated store connection:
    an idle job sends the store nothing. A woken watcher wakes ranks 2r+1 and 2r+2 (a binary
    tree: every rank is woken in log2 N hops even if the signalled rank dies half-way), marks
    the rank *pending* (its next ``on_preempt`` call takes the slow path), and reports the last
@@ -70,6 +70,7 @@ EXIT_CANCELLED = 0
 EXIT_FAILED = 144
 
 POLL_S = 0.1  # how often the signal thread looks at the trap where it has no wakeup fd
+#   (off the main thread; with one it waits for the fd alone: an idle rank does nothing)
 WATCH_REARM_S = 86400.0  # the store watcher's wait is renewed daily (c10d logs each timeout)
 HARD_EXTRA_S = 3.0  # the watchdog ends a process still alive this long after the deadline
 EXIT_HOOK_S = 5.0  # at most this long for the ``on_exit`` hooks (trackers), within the deadline
@@ -171,6 +172,7 @@ class Preemption:
                 pass
             sw.join(timeout=2.0)
         if self._watcher is not None and self._watcher is not threading.current_thread():
+            self.trap.wake()
             self._watcher.join(timeout=2.0)
         self.trap.close(ignore=ignore_signals)
         self.event.close()
@@ -189,7 +191,7 @@ class Preemption:
     def _watch(self) -> None:
         """(signal thread) local signals: the deadline, and the publication of a stop."""
         while not self._closed.is_set():
-            _, signals = self.trap.poll(POLL_S, self._closed)
+            _, signals = self.trap.poll(None if self.trap.has_fd else POLL_S, self._closed)
             if self._closed.is_set():
                 return
             for signum, t, source in signals:
@@ -215,7 +217,7 @@ class Preemption:
             if self._closed.is_set():
                 return
             if found:
-                self._agree()
+                self._agree(found[key])
                 return
 
     def _local_signal(self, signum: int, t_wall: float, source: str) -> None:
@@ -253,19 +255,19 @@ class Preemption:
             self._arm_watchdog()
 
     def _publish_local(self) -> None:
-        """(signal thread) ``sig/<rank>``, ``stop``, then wake every rank (sets, no replies)."""
+        """(signal thread) ``sig/<rank>``, then wake every rank (sets, no replies) with the
+        signal's time and expected kill."""
         signum, t = self._local[0]
         info = json.dumps({"signal": signame(signum) if signum > 0 else "request", "t": t,
                            "kill_at": self.kill_wall, "rank": self.rank}).encode()
         self.ex.set(f"{self.prefix}/sig/{self.rank}", info)
-        self.ex.set(f"{self.prefix}/stop", info)
         self._published = True
         for r in [self.rank] + [r for r in range(self.world) if r != self.rank]:
-            self.ex.set(f"{self.prefix}/wake/{r}", b"1")
+            self.ex.set(f"{self.prefix}/wake/{r}", info)
 
-    def _agree(self) -> None:
-        """(store watcher) a stop exists somewhere: pass the wake-up on, report our progress,
-        wait for T."""
+    def _agree(self, wake: bytes) -> None:
+        """(store watcher) a stop exists somewhere (``wake``: the first signal's time and kill,
+        as its rank published them): pass the wake-up on, report our progress, wait for T."""
         self.pending = True
         passed = self.last_seen  # after pending=True: the training thread passes nothing later
         t_learn = time.time()
@@ -274,9 +276,9 @@ class Preemption:
             try:
                 for c in (2 * self.rank + 1, 2 * self.rank + 2):
                     if c < self.world:
-                        self.ex.set(f"{p}/wake/{c}", b"1")
-                if self.deadline is None:  # the first signal's time and kill, set before
-                    first = json.loads(self.ex.get(f"{p}/stop"))  # any wake-up
+                        self.ex.set(f"{p}/wake/{c}", wake)
+                if self.deadline is None:
+                    first = json.loads(wake)
                     self._set_deadline(first["t"], first.get("kill_at"))
             except StoreUnreachable as e:
                 raise _PeerLost(e.ranks, f"stop consensus: {e}") from e

@@ -61,6 +61,39 @@ def aligned_buffer(nbytes: int) -> memoryview:
     return memoryview(mmap.mmap(-1, size, flags=_MAP_FLAGS))
 
 
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+_libc = None
+_populate_ok = True
+
+
+def populate(address: int, nbytes: int) -> bool:
+    """Fault in the pages of ``[address, address + nbytes)`` for writing, without changing a
+    byte of them (``madvise(MADV_POPULATE_WRITE)``: a page already present is left as it is,
+    an absent one is allocated as a write fault would): the first-touch faults of memory a load
+    is about to fill, taken ahead of the reads on another thread instead of inside them. The
+    GIL is released during the call. False (nothing done) where the kernel has no such advice
+    (before Linux 5.14, not Linux) or the range is refused; the reads then fault the pages
+    themselves, as before."""
+    global _libc, _populate_ok
+    if not _populate_ok or nbytes <= 0:
+        return False
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            _libc.madvise.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            _populate_ok = False
+            return False
+    lo = address // ALIGN * ALIGN  # madvise wants a page-aligned start; whole pages only
+    hi = _round_up(address + nbytes)
+    if _libc.madvise(lo, hi - lo, _MADV_POPULATE_WRITE) != 0:
+        if ctypes.get_errno() == _errno.EINVAL:  # an older kernel: never again
+            _populate_ok = False
+        return False
+    return True
+
+
 class _PyBuffer(ctypes.Structure):
     _fields_ = [
         ("buf", ctypes.c_void_p),
