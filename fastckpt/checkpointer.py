@@ -89,7 +89,8 @@ _ON_PREEMPT_LOCK = threading.Lock()
 
 def save(state: dict, path: str | os.PathLike, *, step: int, on_preempt: bool = False,
          user_meta: dict | None = None, **options: Any) -> SaveHandle | None:
-    """Save ``state`` as step ``step`` under ``path`` and block until it is committed.
+    """Save ``state`` as step ``step`` under ``path`` and block until it is committed (with
+    ``remote=URL``: committed locally, then uploaded and committed on the remote tier too).
 
     ``on_preempt=True``: call it every step; it saves (and exits) only when a stop was agreed,
     through one default Checkpointer per path kept for the process's lifetime.
@@ -106,13 +107,14 @@ def save(state: dict, path: str | os.PathLike, *, step: int, on_preempt: bool = 
     # memory first (first-touch page faults cost as much as the write)
     options.setdefault("staging_cap_bytes", ONE_SHOT_STAGING_CAP)
     with Checkpointer(path, **options) as ck:
-        return ck.save(state, step=step, block=True, user_meta=user_meta)
+        handle = ck.save(state, step=step, block=True, user_meta=user_meta)
+        return handle.wait_remote()
 
 
 def load(state: dict, path: str | os.PathLike, *, step: int | None = None,
          **options: Any) -> int:
     """Load ``step`` (default: newest committed) from ``path`` into ``state`` in place; return
-    the step. ``strict=True`` (default): a key the state has and the checkpoint lacks, or the
+    the step (with ``remote=URL``: the newest of either tier, see ``Checkpointer.last_load``). ``strict=True`` (default): a key the state has and the checkpoint lacks, or the
     reverse, is an error naming it; ``strict=False`` leaves such keys out. Keys are never added
     to ``state``: :func:`read` returns a whole checkpoint."""
     with Checkpointer(path, **options) as ck:

@@ -560,7 +560,7 @@ def _write_and_commit(storage: Storage, d: str, source: _Source, keep: set, batc
         data = fmt.encode_manifest(body, 2 if source.aliases else 1)
         mpath = f"{d}/{fmt.MANIFEST}"
         _verify(storage, d, fmt.decode_manifest(data, file=mpath, step=res.step), res)
-        storage.publish(mpath, data)  # the commit point
+        storage.publish_manifest(mpath, data)  # the commit point
     except BaseException:
         try:
             _cleanup(storage, d, keep, marker, existed)

@@ -106,7 +106,8 @@ class Writer(StorageWriter):
                              " or checkpoint_id='ROOT/step-N'")
         self.storage = open_storage(self._root, io_mode=self.options.native,
                                     direct_io=self.options.direct_io,
-                                    storage_options=self._storage_options)
+                                    storage_options=self._storage_options,
+                                    remote=self.options.remote_settings())
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self.storage is None:
@@ -165,7 +166,7 @@ class Writer(StorageWriter):
         data = fmt.encode_manifest(body)
         fmt.decode_manifest(data, file=f"{d}/{fmt.MANIFEST}", step=self._step)  # as a reader
         st = self.storage.bounded(time.monotonic() + self.options.commit_timeout_s)
-        st.publish(f"{d}/{fmt.MANIFEST}", data)
+        st.publish_manifest(f"{d}/{fmt.MANIFEST}", data)
         for n in st.listdir(d):  # this save's marker; an earlier save of this step, replaced
             if n != fmt.MANIFEST and n not in files:
                 st.remove(f"{d}/{n}")

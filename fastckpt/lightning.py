@@ -167,7 +167,8 @@ class CheckpointIO(_CheckpointIOBase):
     # -- helpers --------------------------------------------------------------------------------
     def _open(self, root: str) -> Storage:
         return open_storage(root, io_mode=self.options.native, direct_io=self.options.direct_io,
-                            storage_options=self.storage_options)
+                            storage_options=self.storage_options,
+                            remote=self.options.remote_settings())
 
     @contextlib.contextmanager
     def _in_flight(self, root: str) -> Iterator[None]:

@@ -65,6 +65,34 @@ class CheckpointOptions:
     assumed_write_mibps: shard write bandwidth assumed before any save was measured.
     event_log: directory for the JSON-lines event log (one file per rank); None: ``<root>/events``
         for local roots, no log for remote ones. FASTCKPT_EVENT_LOG.
+
+    compression: None (default), "zstd" or "auto": each chunk compressed by zstd over
+        independent 4 MiB blocks, float bytes grouped (fastckpt/storage/codec.py); "auto"
+        compresses only when the encoders outrun the measured write bandwidth (the slower tier
+        with a remote one), so it never slows a save down. FASTCKPT_COMPRESSION.
+    compression_level: the zstd level (1: the fastest and, with byte grouping, the best ratio
+        on weights; see docs/benchmarks.md).
+    compression_threads: encoder threads per rank (None: the cores split among the node's
+        ranks, at most 8).
+
+    Object stores (``s3://``; see fastckpt/storage/s3.py):
+
+    remote_part_bytes: the size of one multipart part and of one ranged GET (>= 5 MiB).
+        FASTCKPT_REMOTE_PART_BYTES.
+    remote_concurrency: S3 requests in flight per process (every file and thread of a rank
+        shares them). FASTCKPT_REMOTE_CONCURRENCY.
+    remote_max_attempts: tries of one S3 request: throttling (503 SlowDown), server errors and
+        broken connections are retried with capped, jittered backoff, within the deadline.
+    remote_keep_last: retention of the remote tier (``Checkpointer(local, remote=url)``):
+        "same" (default: ``keep_last``), a positive int, or None (keep all).
+    local_survives: whether the local root outlives a preemption (a cluster's shared file
+        system: True; a Spot VM's NVMe, lost with the node: False, the default). With a remote
+        tier it decides the emergency upload (docs/preemption.md). FASTCKPT_LOCAL_SURVIVES.
+    assumed_upload_mibps: per-rank upload bandwidth to the remote tier assumed before any
+        upload was measured.
+    conditional_put: the manifest is put only if absent (``If-None-Match: *``), or over the
+        manifest just read (``If-Match``), where the store honours it: "auto" (probed once;
+        plain PUTs with a warning where not), "require" (an error where not), "off".
     """
 
     keep_last: int | None = None
@@ -90,6 +118,16 @@ class CheckpointOptions:
     preempt_exit: bool = True
     assumed_write_mibps: float = 200.0
     event_log: str | None = None
+    compression: str | None = None
+    compression_level: int = 1
+    compression_threads: int | None = None
+    remote_keep_last: int | None | str = "same"
+    local_survives: bool = False
+    assumed_upload_mibps: float = 100.0
+    remote_part_bytes: int = 8 << 20
+    remote_concurrency: int = 32
+    remote_max_attempts: int = 8
+    conditional_put: str = "auto"
 
     def __post_init__(self) -> None:
         if self.keep_last is not None and (not isinstance(self.keep_last, int)
@@ -132,9 +170,42 @@ class CheckpointOptions:
             raise ValueError(f"teardown_s must be >= 0 seconds or None, got {self.teardown_s!r}")
         if not (self.preempt_margin_s >= 0) or not (self.assumed_write_mibps > 0):
             raise ValueError("preempt_margin_s must be >= 0 and assumed_write_mibps > 0")
+        if self.compression not in (None, "zstd", "auto"):
+            raise ValueError(f"compression must be None, 'zstd' or 'auto', got "
+                             f"{self.compression!r}")
+        if not (isinstance(self.compression_level, int) and 1 <= self.compression_level <= 19):
+            raise ValueError(f"compression_level must be an int from 1 to 19, got "
+                             f"{self.compression_level!r}")
+        if self.compression_threads is not None and not (
+                isinstance(self.compression_threads, int) and self.compression_threads >= 1):
+            raise ValueError(f"compression_threads must be a positive int or None, got "
+                             f"{self.compression_threads!r}")
+        if self.remote_keep_last != "same" and self.remote_keep_last is not None and (
+                not isinstance(self.remote_keep_last, int) or self.remote_keep_last < 1):
+            raise ValueError("remote_keep_last must be 'same', a positive int or None, got "
+                             f"{self.remote_keep_last!r}")
+        if not (self.assumed_upload_mibps > 0):
+            raise ValueError(f"assumed_upload_mibps must be > 0, got {self.assumed_upload_mibps!r}")
+        if not (isinstance(self.remote_part_bytes, int) and self.remote_part_bytes >= 5 << 20):
+            raise ValueError("remote_part_bytes must be an int >= 5 MiB (S3's smallest part), "
+                             f"got {self.remote_part_bytes!r}")
+        if not (isinstance(self.remote_concurrency, int) and 1 <= self.remote_concurrency):
+            raise ValueError(f"remote_concurrency must be a positive int, got "
+                             f"{self.remote_concurrency!r}")
+        if not (isinstance(self.remote_max_attempts, int) and self.remote_max_attempts >= 1):
+            raise ValueError(f"remote_max_attempts must be a positive int, got "
+                             f"{self.remote_max_attempts!r}")
+        if self.conditional_put not in ("auto", "require", "off"):
+            raise ValueError("conditional_put must be 'auto', 'require' or 'off', got "
+                             f"{self.conditional_put!r}")
 
     def with_changes(self, **changes) -> "CheckpointOptions":
         return replace(self, **changes)
+
+    def remote_settings(self) -> dict:
+        """The object-store settings ``open_storage(..., remote=...)`` takes."""
+        return {"part_bytes": self.remote_part_bytes, "concurrency": self.remote_concurrency,
+                "max_attempts": self.remote_max_attempts, "conditional": self.conditional_put}
 
 
 def options_from_env(base: CheckpointOptions | None = None,
@@ -143,7 +214,10 @@ def options_from_env(base: CheckpointOptions | None = None,
 
     FASTCKPT_NATIVE=auto|require|off, FASTCKPT_DIRECT_IO=0|1, FASTCKPT_ZERO_COPY=0|1,
     FASTCKPT_COMMIT_TIMEOUT_S=seconds, FASTCKPT_PLAN_TIMEOUT_S=seconds,
-    FASTCKPT_GRACE_S=seconds, FASTCKPT_SIGNAL_GRACE_S=SIGTERM=10,..., FASTCKPT_TEARDOWN_S=seconds, FASTCKPT_PREEMPT_SIGNALS=SIGTERM,SIGUSR1, FASTCKPT_EVENT_LOG=dir.
+    FASTCKPT_GRACE_S=seconds, FASTCKPT_SIGNAL_GRACE_S=SIGTERM=10,..., FASTCKPT_TEARDOWN_S=seconds,
+    FASTCKPT_PREEMPT_SIGNALS=SIGTERM,SIGUSR1, FASTCKPT_EVENT_LOG=dir,
+    FASTCKPT_REMOTE_PART_BYTES=bytes, FASTCKPT_REMOTE_CONCURRENCY=n, FASTCKPT_LOCAL_SURVIVES=0|1,
+    FASTCKPT_COMPRESSION=none|zstd|auto.
     """
     env = os.environ if environ is None else environ
     base = base or CheckpointOptions()
@@ -181,6 +255,16 @@ def options_from_env(base: CheckpointOptions | None = None,
         changes["commit_timeout_s"] = float(env["FASTCKPT_COMMIT_TIMEOUT_S"])
     if "FASTCKPT_PLAN_TIMEOUT_S" in env:
         changes["plan_timeout_s"] = float(env["FASTCKPT_PLAN_TIMEOUT_S"])
+    if "FASTCKPT_COMPRESSION" in env:
+        v = env["FASTCKPT_COMPRESSION"].strip().lower()
+        changes["compression"] = None if v in ("", "none", "off", "0") else v
+    if "FASTCKPT_LOCAL_SURVIVES" in env:
+        changes["local_survives"] = env["FASTCKPT_LOCAL_SURVIVES"].strip().lower() not in (
+            "0", "false", "no", "")
+    if "FASTCKPT_REMOTE_PART_BYTES" in env:
+        changes["remote_part_bytes"] = int(env["FASTCKPT_REMOTE_PART_BYTES"])
+    if "FASTCKPT_REMOTE_CONCURRENCY" in env:
+        changes["remote_concurrency"] = int(env["FASTCKPT_REMOTE_CONCURRENCY"])
     return base.with_changes(**changes) if changes else base
 
 

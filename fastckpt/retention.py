@@ -47,8 +47,10 @@ def remove_step(storage: Storage, path: str) -> None:
 
 
 def plan_removal(infos: list[StepInfo], keep_last: int | None, *, protect: set[int] = frozenset(),
-                 now: float | None = None, force_partial: bool = False) -> list[StepInfo]:
-    """The steps to remove: old committed ones beyond ``keep_last`` and abandoned partial ones.
+                 now: float | None = None, force_partial: bool = False,
+                 committed_only: bool = False) -> list[StepInfo]:
+    """The steps to remove: old committed ones beyond ``keep_last`` and abandoned partial ones
+    (none with ``committed_only``).
 
     Never the newest committed step, never a step in ``protect``, never a partial step with a
     recent in-flight marker unless ``force_partial``.
@@ -60,7 +62,7 @@ def plan_removal(infos: list[StepInfo], keep_last: int | None, *, protect: set[i
     if keep_last is not None:
         doomed += [i for i in committed[:-keep_last] if i.step != newest]
     for i in infos:
-        if i.committed:
+        if i.committed or committed_only:
             continue
         recent = i.inflight_since is not None and now - i.inflight_since < INFLIGHT_GRACE_S
         if force_partial or not recent:
@@ -69,15 +71,19 @@ def plan_removal(infos: list[StepInfo], keep_last: int | None, *, protect: set[i
 
 
 def apply_retention(storage: Storage, keep_last: int | None, *,
-                    protect: set[int] = frozenset(), force_partial: bool = False) -> list[int]:
+                    protect: set[int] = frozenset(), force_partial: bool = False,
+                    committed_only: bool = False) -> list[int]:
     """Remove what ``plan_removal`` selects; return the removed steps.
 
     A Checkpointer calls this after each commit with ``force_partial=True``: one job writes a
-    root at a time, so every partial step it is not writing itself is abandoned.
+    root at a time, so every partial step it is not writing itself is abandoned. The remote
+    tier's uploader calls it on the local root with ``committed_only=True`` (a save may be
+    writing a partial step there at the same time).
     """
     removed = []
     infos = scan(storage)
-    for info in plan_removal(infos, keep_last, protect=protect, force_partial=force_partial):
+    for info in plan_removal(infos, keep_last, protect=protect, force_partial=force_partial,
+                             committed_only=committed_only):
         remove_step(storage, info.path)
         removed.append(info.step)
     if force_partial:  # committed steps keep no markers of a save that died after its commit

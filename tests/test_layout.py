@@ -28,7 +28,7 @@ ALLOWED = {
     "retention": {"manifest", "storage"},
     "lease": {"errors", "options", "storage"},
     "tools": {"errors", "options", "storage", "manifest", "retention", "__init__"},
-    "engine": {"errors", "options", "storage", "manifest", "retention", "lease"},
+    "engine": {"errors", "options", "storage", "manifest", "retention", "lease", "bench.record"},
     "bench.record": set(),
     "preempt": {"errors", "options", "engine", "bench.record", "tools"},
     "checkpointer": {"engine", "preempt", "storage"},

@@ -2,8 +2,9 @@
 
 ``StorageContract`` holds the tests; each backend is a subclass that provides the ``st``
 fixture (a fresh, empty root) and a few hooks: LocalStorage on tmp_path, FsspecStorage on
-``memory://`` and FsspecStorage on ``s3://bucket/prefix`` through the moto server on 127.0.0.1.
-S3-specific behaviour (multipart boundary, aborted uploads, unreachable endpoint) follows.
+``memory://`` and S3Storage on ``s3://bucket/prefix`` through the moto server on 127.0.0.1.
+S3-specific behaviour (multipart boundary, concurrent parts, aborted uploads, unreachable
+endpoint) follows.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from fastckpt import StorageError
 from fastckpt.storage.native import aligned_buffer
 from fastckpt.storage import LocalStorage, Storage, open_storage
 from fastckpt.storage.fsspec_backend import FsspecStorage
+from fastckpt.storage.s3 import S3Storage
 
 # an fsspec file left unclosed commits itself (or fails loudly) in __del__: make that an error
 pytest_plugins = ["tests.s3fixtures"]  # the s3_server (one per session) and s3 fixtures
@@ -29,7 +31,7 @@ pytest_plugins = ["tests.s3fixtures"]  # the s3_server (one per session) and s3 
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 
 MiB = 1 << 20
-SIZES = [0, 1, 5 * MiB + 7, 40 * MiB]  # 40 MiB crosses the 16 MiB multipart boundary on s3
+SIZES = [0, 1, 5 * MiB + 7, 40 * MiB]  # 40 MiB is 5 parts of 8 MiB on s3
 
 
 def _data(n: int) -> bytes:
@@ -379,11 +381,11 @@ class TestMemoryStorage(_FsspecExtras, StorageContract):
         monkeypatch.setattr(MemoryFile, "write", write)
 
 
-class TestS3Storage(_FsspecExtras, StorageContract):
+class TestS3Storage(StorageContract):
     @pytest.fixture
     def st(self, s3):
         st = open_storage(s3.url("prefix", "run"), storage_options=s3.storage_options)
-        assert isinstance(st, FsspecStorage)
+        assert isinstance(st, S3Storage)
         return st
 
     def unwritable(self, st, request):
@@ -395,57 +397,112 @@ class TestS3Storage(_FsspecExtras, StorageContract):
         return request.getfixturevalue("s3").multipart_uploads()
 
     def inject_write_failure(self, st, monkeypatch, after, exc=_InjectedFault):
-        from s3fs.core import S3File
-        real = S3File.write
+        """Part and PUT requests whose bytes would take the upload past ``after`` fail (the
+        parts go out at once: which ones got through before is not fixed)."""
+        real = S3Storage._request
+        sent = {"n": 0}
 
-        def write(self, data):
-            if self.tell() + len(data) > after:  # tell(): bytes accepted so far
-                raise exc()
-            return real(self, data)
-        monkeypatch.setattr(S3File, "write", write)
+        async def request(self, op, path, until, *, body=None, **kw):
+            if body is not None and op in ("upload_part", "put_object"):
+                if sent["n"] + len(body) > after:
+                    raise exc()
+                sent["n"] += len(body)
+            return await real(self, op, path, until, body=body, **kw)
+        monkeypatch.setattr(S3Storage, "_request", request)
 
     # -- s3 only -----------------------------------------------------------------------------
     def test_multipart_boundary(self, st, s3):
-        """Below 16 MiB one PUT; above it a multipart upload of 16 MiB parts, completed."""
+        """Up to part_bytes (8 MiB) one PUT; above it a multipart upload of 8 MiB parts sent
+        at once, completed."""
         st.makedirs(st.root)
-        for name, n in (("small.fck", 5 * MiB + 7), ("big.fck", 40 * MiB)):
+        for name, n in (("small.fck", 5 * MiB + 7), ("exact.fck", 8 * MiB),
+                        ("big.fck", 40 * MiB + 1)):
             data = _data(n)
             st.write_shard(st.join(name), _staged(data), n, [])
+            assert st.read_bytes(st.join(name)) == data
         s3.fs.invalidate_cache()
-        etag_small = s3.fs.info(st.join("small.fck"))["ETag"].strip('"')
-        etag_big = s3.fs.info(st.join("big.fck"))["ETag"].strip('"')
-        assert "-" not in etag_small
-        assert etag_big.endswith("-3")  # 16 + 16 + 8 MiB
+        etags = {k: s3.fs.info(st.join(k))["ETag"].strip('"')
+                 for k in ("small.fck", "exact.fck", "big.fck")}
+        assert "-" not in etags["small.fck"] and "-" not in etags["exact.fck"]
+        assert etags["big.fck"].endswith("-6")  # 5 x 8 MiB + 1 byte
         assert s3.multipart_uploads() == []
-        assert s3.keys() == ["prefix/run/big.fck", "prefix/run/small.fck"]
+        assert s3.keys() == ["prefix/run/big.fck", "prefix/run/exact.fck", "prefix/run/small.fck"]
+
+    def test_parts_and_ranges_go_out_at_once(self, s3):
+        """An upload's parts and a read's ranges are in flight together, at most
+        ``concurrency`` of them in the whole process."""
+        st = open_storage(s3.url("conc"), storage_options=s3.storage_options,
+                          remote={"part_bytes": 5 * MiB, "concurrency": 3})
+        real = S3Storage._request
+        now, peak = {"n": 0}, {"n": 0}
+        import asyncio
+
+        async def request(self, op, path, until, **kw):
+            now["n"] += 1
+            peak["n"] = max(peak["n"], now["n"])
+            try:
+                await asyncio.sleep(0.05)  # long enough for the others to start
+                return await real(self, op, path, until, **kw)
+            finally:
+                now["n"] -= 1
+        n = 30 * MiB
+        data = _data(n)
+        mp = pytest.MonkeyPatch()
+        try:
+            mp.setattr(S3Storage, "_request", request)
+            st.write_shard(st.join("c.fck"), _staged(data), n, [])
+            up = peak["n"]
+            peak["n"] = 0
+            buf = aligned_buffer(n)
+            assert st.read_into(st.join("c.fck"), 0, buf, n) == _h(data)
+        finally:
+            mp.undo()
+        assert up >= 3 and peak["n"] >= 3  # begin, then 6 parts of which 3 at once
+        assert st.stats["requests"] >= 1 + 6 + 1 + 6
 
     def test_failure_in_the_last_part_aborts_the_upload(self, st, s3, monkeypatch):
-        """The final part (sent by close) fails: the upload is aborted, not completed."""
-        from s3fs.core import S3File
-        real = S3File._upload_chunk
+        """One part fails for good: the others are cancelled, the upload aborted, nothing
+        visible, and the error names the URL and the part's offset."""
+        real = S3Storage._request
 
-        def upload_chunk(self, final=False):
-            if final:
+        async def request(self, op, path, until, **kw):
+            if op == "upload_part" and kw.get("PartNumber") == 3:
                 raise _InjectedFault()
-            return real(self, final)
-        n = 24 * MiB  # part 1 (16 MiB) goes out while writing, part 2 in close()
+            return await real(self, op, path, until, **kw)
+        n = 24 * MiB  # parts 1-3 of 8 MiB
         p = st.join("last.fck")
-        with monkeypatch.context() as mp, pytest.raises(StorageError, match="injected fault"):
-            mp.setattr(S3File, "_upload_chunk", upload_chunk)
+        with monkeypatch.context() as mp, pytest.raises(StorageError, match="injected fault") \
+                as ei:
+            mp.setattr(S3Storage, "_request", request)
             st.write_shard(p, _staged(_data(n)), n, [])
+        assert ei.value.offset == 16 * MiB and "last.fck" in str(ei.value)
         assert st.size(p) is None
         assert s3.keys() == []
         assert s3.multipart_uploads() == []
 
     def test_interrupt_mid_upload_commits_nothing(self, st, s3, monkeypatch):
-        """KeyboardInterrupt/SystemExit (a preemption handler) mid-upload: re-raised as is;
-        the partial object is neither visible nor committed later by the file's finaliser."""
-        n = 24 * MiB  # part 1 was sent: a multipart upload is open when the interrupt comes
+        """KeyboardInterrupt/SystemExit (a preemption handler) in the calling thread while the
+        parts are in flight: re-raised as is, the upload cancelled and aborted, nothing
+        visible."""
+        import time as _time
+        real_io = st.io
+
+        class Interrupting:
+            def __getattr__(self, name):
+                return getattr(real_io, name)
+
+            def hash(self, buf, n):  # runs while the parts are in flight
+                t0 = _time.monotonic()
+                while st.stats["bytes_up"] == 0 and _time.monotonic() - t0 < 30:
+                    _time.sleep(0.01)
+                raise KeyboardInterrupt
+        monkeypatch.setattr(st, "io", Interrupting())
+        n = 40 * MiB
         p = st.join("interrupted.fck")
-        with monkeypatch.context() as mp, pytest.raises(KeyboardInterrupt):
-            self.inject_write_failure(st, mp, after=17 * MiB, exc=KeyboardInterrupt)
-            st.write_shard(p, _staged(_data(n)), n, [])
-        gc.collect()  # an unclosed fsspec file would complete the upload in __del__
+        with pytest.raises(KeyboardInterrupt):
+            st.write_shard(p, _staged(_data(n)), n, [(0, n)])
+        gc.collect()
+        assert st.stats["bytes_up"] > 0  # it was interrupted mid-upload
         assert st.size(p) is None
         assert s3.keys() == []
         assert s3.multipart_uploads() == []
@@ -455,7 +512,6 @@ class TestS3Storage(_FsspecExtras, StorageContract):
         with monkeypatch.context() as mp, pytest.raises(StorageError, match="injected fault"):
             self.inject_write_failure(st, mp, after=MiB)
             st.write_shard(p, _staged(_data(3 * MiB)), 3 * MiB, [])
-        gc.collect()  # an unclosed fsspec file would PUT what it buffered in __del__
         assert s3.keys() == [] and s3.multipart_uploads() == []
 
     def test_makedirs_does_not_touch_the_bucket(self, st, s3):

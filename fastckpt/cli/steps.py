@@ -67,21 +67,24 @@ def resume(root: str, cmd: tuple[str, ...], as_json: bool, do_verify: bool, quie
 
     The step is the one the engine's resume loads: the newest step directory with a valid
     manifest. Newer steps whose manifest is damaged are skipped, each named in a warning on
-    stderr; if every manifest is damaged, nothing runs (exit 1).
+    stderr; if every manifest is damaged, nothing runs (exit 1). A local ROOT with a remote
+    tier (Checkpointer(ROOT, remote=URL)) gives the newest step of either tier, the local one
+    when both have it; PATH is then a step of ROOT or of URL ("tier" in --json).
     """
     _set_json(as_json and not cmd)
     if requeue and not supervise:
         raise CliError("--requeue needs --supervise (the supervisor requeues after CMD exits)",
                        EXIT_USAGE)
     from ..manifest.discovery import read_small_json
-    from ..tools import (VERIFIED_PREFIX, display_path, newest_committed, not_found_hint,
+    from ..tools import (VERIFIED_PREFIX, display_path, not_found_hint,
                          step_data_bytes)
     storage = _storage(root)
     rootd = display_path(storage, storage.root)
     found = None
     skipped: list = []
+    tier = "local" if storage.is_local else "remote"
     try:
-        found = newest_committed(storage, skipped=skipped)
+        found, storage, tier = _newest_of_tiers(storage, skipped)
     except CheckpointNotFoundError:
         if not cmd:
             why = not_found_hint(storage)
@@ -148,7 +151,7 @@ def resume(root: str, cmd: tuple[str, ...], as_json: bool, do_verify: bool, quie
         if rec.get("ok") is True and rec.get("save_id") == body["save_id"]:
             verified, verified_unix = True, rec.get("verified_unix")
     if as_json:
-        _emit_json({"found": True, "root": rootd, "step": step, "path": path,
+        _emit_json({"found": True, "root": rootd, "step": step, "path": path, "tier": tier,
                     "save_id": body.get("save_id"), "created": body.get("created"),
                     "created_unix": body.get("created_unix"),
                     "world_size": body.get("world_size"), "bytes": step_data_bytes(body),
@@ -157,6 +160,33 @@ def resume(root: str, cmd: tuple[str, ...], as_json: bool, do_verify: bool, quie
     else:
         _echo(f"{step} {path}")
     return EXIT_OK
+
+
+def _newest_of_tiers(storage: Any, skipped: list) -> tuple[tuple, Any, str]:
+    """(step, dir, body), storage and tier of the newest committed step of a root and of the
+    remote tier it names, the local one on a tie (what a tiered resume loads)."""
+    from ..tools import newest_committed, remote_tier
+    local = None
+    try:
+        local = newest_committed(storage, skipped=skipped)
+    except CheckpointNotFoundError:
+        pass
+    tier = "local" if storage.is_local else "remote"
+    remote = remote_tier(storage)
+    if remote is not None:
+        try:
+            other = newest_committed(remote[1])
+        except (CheckpointNotFoundError, CorruptCheckpointError):
+            other = None
+        except Exception as e:  # noqa: BLE001 - an unreachable remote: the local tier alone
+            _echo(f"fastckpt: warning: the remote tier {remote[0]} could not be read: {e}",
+                  err=True)
+            other = None
+        if other is not None and (local is None or other[0] > local[0]):
+            return other, remote[1], "remote"
+    if local is None:
+        raise CheckpointNotFoundError("no committed checkpoint")
+    return local, storage, tier
 
 
 # ------------------------------------------------------------------------------------- ls
@@ -179,12 +209,29 @@ def ls_cmd(root: str, as_json: bool, grace: float | None) -> int:
     _set_json(as_json)
     from ..retention import INFLIGHT_GRACE_S
     from ..tools import describe_steps, display_path
+    from ..tools import remote_tier
     storage = _storage(root, must_exist=True)
     recs = describe_steps(storage, grace=INFLIGHT_GRACE_S if grace is None else grace)
     rootd = display_path(storage, storage.root)
+    remote = remote_tier(storage)
+    rrecs, rerr = [], None
+    if remote is not None:
+        try:
+            rrecs = describe_steps(remote[1], grace=INFLIGHT_GRACE_S if grace is None else grace)
+        except Exception as e:  # noqa: BLE001 - shown, the local tier is still listed
+            rerr = f"{type(e).__name__}: {e}"
     if as_json:
-        _emit_json({"root": rootd, "steps": [r.to_json() for r in recs]})
+        doc: dict = {"root": rootd, "steps": [r.to_json() for r in recs]}
+        if remote is not None:
+            doc["remote"] = {"root": remote[0], "steps": [r.to_json() for r in rrecs],
+                             "error": rerr}
+        _emit_json(doc)
         return EXIT_OK
+    if remote is not None:
+        _print_steps(rrecs, f"remote tier {remote[0]}")
+        if rerr:
+            _echo(f"warning: the remote tier {remote[0]} could not be listed: {rerr}", err=True)
+        _echo(f"local tier {rootd}:")
     if not recs:
         _echo(f"no step directories under {rootd}", err=True)
         return EXIT_OK
@@ -213,6 +260,22 @@ def ls_cmd(root: str, as_json: bool, grace: float | None) -> int:
 
 # --------------------------------------------------------------------------------- verify
 
+def _print_steps(recs: list, title: str) -> None:
+    """A tier's steps, compactly (the remote tier of a local root)."""
+    _echo(f"{title}:")
+    if not recs:
+        _echo("  no step directories")
+        return
+    t = _table("STEP", "STATE", "CREATED", "SIZE", "RANKS", "CHECKSUM", "NOTE")
+    for r in recs:
+        chk = {"verified": "verified", "failed": "FAILED", "unverified": "unverified"}.get(
+            r.checksum or "", "-")
+        _add_row(t, str(r.step), r.state, _when(r.created_unix), _hb(r.size_bytes),
+                  str(r.world_size) if r.world_size else "-", chk,
+                  "latest" if r.latest else (r.error or ""))
+    _print_table(t)
+
+
 def _run_verify(storage: Any, found: tuple, *, record: bool, jobs: int = 4) -> Any:
     from ..tools import step_data_bytes, verify_step
     total = step_data_bytes(found[2])
@@ -234,21 +297,58 @@ def _run_verify(storage: Any, found: tuple, *, record: bool, jobs: int = 4) -> A
               help="Files checked in parallel.")
 @click.option("--no-record", is_flag=True, help="Do not record the result in the step "
               "directory (.verified-<save_id> / .verify-failed-<save_id>).")
+@click.option("--tier", type=click.Choice(["local", "remote", "all"]), default="all",
+              show_default=True, help="With a remote tier (Checkpointer(ROOT, remote=URL)): "
+              "which tier's steps to verify.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
 def verify(root: str, step: int | None, all_steps: bool, jobs: int, no_record: bool,
-           as_json: bool) -> int:
+           tier: str, as_json: bool) -> int:
     """Re-read every shard of a committed step and check it against its manifest.
 
     Checks each file's presence and size, every tensor chunk's checksum, that the alignment
     padding is zero and each file's whole checksum; names each bad file, tensor and byte
-    offset. Exit 1 on any problem. The result is recorded for `fastckpt ls`.
+    offset. Exit 1 on any problem. The result is recorded for `fastckpt ls`. A local ROOT
+    with a remote tier: each tier's step (--tier to pick one).
     """
     _set_json(as_json)
-    from ..manifest.discovery import find_step
-    from ..tools import describe_steps, display_path
+    from ..tools import display_path, remote_tier
     storage = _storage(root)
     if step is not None and all_steps:
         raise click.UsageError("--step and --all exclude each other")
+    tiers = [("local" if storage.is_local else None, storage)]
+    remote = remote_tier(storage) if tier in ("remote", "all") else None
+    if tier == "remote" and remote is None:
+        raise CliError(f"{root} names no remote tier", EXIT_USAGE)
+    if tier == "remote":
+        tiers = []
+    if remote is not None:
+        tiers.append(("remote", remote[1]))
+    results: list = []
+    problems_outside: list[dict] = []
+    for name, st in tiers:
+        try:
+            r, p = _verify_tier(st, step, all_steps, jobs, no_record, as_json,
+                                name if len(tiers) > 1 or name == "remote" else None)
+        except CliError:
+            if name == "remote" and len(tiers) > 1 and step is not None:
+                continue  # the step is committed in one tier only
+            raise
+        results += r
+        problems_outside += p
+    ok = all(r.ok for r in results) and not problems_outside
+    if as_json:
+        rootd = display_path(storage, storage.root)
+        _emit_json({"root": rootd, "ok": ok, "steps": [
+            dict(r.to_json(), **({"tier": getattr(r, "tier")} if getattr(r, "tier", None)
+                                 else {})) for r in results] + problems_outside})
+    return EXIT_OK if ok else EXIT_PROBLEM
+
+
+def _verify_tier(storage: Any, step: int | None, all_steps: bool, jobs: int, no_record: bool,
+                 as_json: bool, tier: str | None) -> tuple[list, list]:
+    """Verify the requested steps of one root (a tier): (results, manifest problems)."""
+    from ..manifest.discovery import find_step
+    from ..tools import describe_steps, display_path
     targets: list[tuple] = []
     problems_outside: list[dict] = []
     rootd = display_path(storage, storage.root)
@@ -283,17 +383,18 @@ def verify(root: str, step: int | None, all_steps: bool, jobs: int, no_record: b
                 {"kind": "manifest", "message": str(e), "file": e.file}]})
             continue
         res = _run_verify(storage, found, record=not no_record, jobs=jobs)
+        res.tier = tier
         results.append(res)
         if not as_json:
+            if tier:
+                _echo(f"{tier} tier ({rootd}):")
             _report_verify(res)
     for p in problems_outside:
+        if tier:
+            p["tier"] = tier
         if not as_json:
             _echo(f"step {p['step']}: DAMAGED manifest: {p['problems'][0]['message']}")
-    ok = all(r.ok for r in results) and not problems_outside
-    if as_json:
-        _emit_json({"root": rootd, "ok": ok, "steps": [r.to_json() for r in results]
-                    + problems_outside})
-    return EXIT_OK if ok else EXIT_PROBLEM
+    return results, problems_outside
 
 
 def _report_verify(res: Any) -> None:

@@ -49,6 +49,8 @@ from . import dist as _dist
 from .handle import SaveHandle
 from .load import load_into
 from .plan import check_user_meta, local_chunks, make_plan, raise_setup_errors
+from .compress import Compression
+from .tiering import Tier
 from .staging import (StagingPool, first_piece_bytes, gather_piece, piece_bytes, split,
                       stage_piece)
 from .state import flatten
@@ -68,6 +70,8 @@ class Engine:
 
     def __init__(self, root: str | os.PathLike | Storage, *, keep_last: int | None = None,
                  options: CheckpointOptions | None = None, storage_options: dict | None = None,
+                 remote: str | Storage | None = None,
+                 remote_storage_options: dict | None = None,
                  **option_overrides: Any) -> None:
         opts = options_from_env(options or CheckpointOptions())
         if keep_last is not None:
@@ -78,7 +82,8 @@ class Engine:
         else:
             self.storage = open_storage(str(root), io_mode=self.options.native,
                                         direct_io=self.options.direct_io,
-                                        storage_options=storage_options)
+                                        storage_options=storage_options,
+                                        remote=self.options.remote_settings())
         self.root = root if isinstance(root, str) else (
             str(root) if not isinstance(root, Storage) else self.storage.root)
         self.group = _dist.Group(collective=self.options.collective, name=self.storage.root)
@@ -92,9 +97,81 @@ class Engine:
         self._closed = False
         self._claimed = False
         self._lease: WriterLease | None = None  # rank 0, from the first save to close()
+        self._tier: Tier | None = None
+        if remote is not None:
+            self._tier = self._open_tier(remote, remote_storage_options
+                                         if remote_storage_options is not None
+                                         else storage_options)
+        self._upload_next = False
+        self._last_load: dict | None = None
+        self._compression = Compression(self.options.compression,
+                                        level=self.options.compression_level,
+                                        threads=self.options.compression_threads,
+                                        native=self.options.native)
+        self._writer.compression = self._compression
         ref = weakref.ref(self)
         self._atexit = lambda: (ref() and ref().close())  # type: ignore[union-attr]
         atexit.register(self._atexit)
+
+    def _open_tier(self, remote: str | Storage, storage_options: dict | None) -> Tier:
+        """The remote tier (``remote=``): local-first saves, uploaded in the background."""
+        if not self.storage.is_local:
+            raise ValueError(f"remote= needs a local root (a path) to save to first; "
+                             f"{self.root} is not one")
+        if isinstance(remote, Storage):
+            st, url = remote, getattr(remote, "url", remote.root)
+        else:
+            url = str(remote)
+            st = open_storage(url, io_mode=self.options.native, direct_io=self.options.direct_io,
+                              storage_options=storage_options,
+                              remote=self.options.remote_settings())
+        tier = Tier(self, st, url)
+        self._writer.on_committed.append(self._committed)
+        self._writer.protect = tier.protected
+        return tier
+
+    @property
+    def tier(self) -> Tier | None:
+        """The remote tier (``remote=``), or None."""
+        return self._tier
+
+    @property
+    def last_load(self) -> dict | None:
+        """Where the last load came from: ``{"step", "tier", "root"}`` (tier "local" or
+        "remote"); None before any load."""
+        if self._tier is not None and self._tier.last_load is not None:
+            return self._tier.last_load
+        return self._last_load
+
+    def _committed(self, job: Job) -> None:
+        """(writer thread) A save committed locally: upload it if its plan said so, else keep
+        it as the tier's next candidate (see fastckpt/engine/tiering.py)."""
+        if self._tier is None or job.deadline is not None or self._tier.frozen:
+            return
+        if job.upload:
+            self._tier.submit(job)
+        else:
+            self._tier.defer(job)
+
+    def upload(self, handle: SaveHandle, deadline: float | None = None) -> Any:
+        """(preemption, all ranks) Upload the committed save ``handle`` to the remote tier
+        now, under ``deadline``; the upload (``.done``, ``.error``). Collective."""
+        job = self._last_job
+        if self._tier is None or job is None or job.handle is not handle:
+            raise FastCkptError("upload(): not the last save of a Checkpointer with remote=")
+        return self._tier.submit(job, deadline)
+
+    def _bench_bps(self) -> float | None:
+        """This rank's write bandwidth from ``fastckpt bench``'s record in the root, if any."""
+        if not self.storage.is_local:
+            return None
+        try:
+            from ..bench.record import read_bench
+            rec = (read_bench(self.storage.root) or {}).get("per_rank_bytes_per_s") or {}
+            v = rec.get("save")
+            return float(v) if isinstance(v, (int, float)) and v > 0 else None
+        except Exception:  # noqa: BLE001 - a hint only
+            return None
 
     @property
     def io_backend(self) -> str:
@@ -170,12 +247,18 @@ class Engine:
         plan, data = self._plan(state, step, deadline)
         if not self._claimed:
             self._claim_root(deadline)
+            if self._tier is not None:
+                self._tier.record()
         stager = self._device_stager(data)
+        compress = self._compression.decide(
+            data, record_bps=self._bench_bps(),
+            upload_bps=self._tier.bytes_per_s() if self._tier is not None else None)
         # a blocking save on a local file system is written straight from the tensors (the
         # caller does not touch them until it returns): no staging copy, no staging memory
-        # (device tensors must be copied to the host anyway: they go through the pinned pool)
+        # (device tensors must be copied to the host anyway: they go through the pinned pool;
+        # a compressing save encodes the staged bytes)
         zero_copy = (block and self.options.zero_copy and self.storage.gathered_writes
-                     and stager is None)
+                     and stager is None and not compress)
         plan = self._split(plan, data, zero_copy)
         if not zero_copy:
             self._pool.prepare([p.size for p in plan.pieces], self.options.staging_cap_bytes,
@@ -183,7 +266,15 @@ class Engine:
         step_dir = self.storage.join(fmt.step_dirname(step))
         handle = SaveHandle(step, step_dir)
         handle.earlier_failure = earlier
-        job = Job(plan, handle, step_dir, user_meta=user_meta, t0=t0, deadline=deadline)
+        job = Job(plan, handle, step_dir, user_meta=user_meta, t0=t0, deadline=deadline,
+                  compress=compress)
+        handle.compression = self._compression.last
+        if self._tier is not None and deadline is None:  # (emergency saves: the trigger's call)
+            job.upload = self._upload_next
+            handle.remote_state = "pending" if job.upload else "deferred"
+            if not job.upload:
+                log.info("fastckpt: step %d: uploaded once the upload of an earlier step is "
+                         "over, unless a newer step replaces it", step)
         self._last, self._last_job = handle, job
         self._writer.submit(job)  # the writer starts on each piece as soon as it is staged
         t1 = time.perf_counter()
@@ -224,10 +315,13 @@ class Engine:
             if self.world_size == 1:
                 raise
             error = str(e)
+        busy = self._tier.busy if self._tier is not None else False
         gathered = self.group.gather(
             {"save_id": uuid.uuid4().hex[:12], "specs": specs, "tree": tree, "error": error,
-             "aliases": aliases},
+             "aliases": aliases, "up_busy": busy},
             timeout_s=self._wait_s(deadline), what=f"save of step {step}: the plan exchange")
+        # every rank decides alike: upload this step unless an uploader is still busy
+        self._upload_next = not any(g.get("up_busy") for g in gathered)
         return make_plan(gathered, self.rank, step), data
 
     def _claim_root(self, deadline: float | None = None) -> None:
@@ -346,9 +440,17 @@ class Engine:
         """
         self._check_open()
         self._drain_previous()
-        return load_into(self.storage, state, step=step, verify=self.options.verify,
-                         strict=self.options.strict if strict is None else strict,
-                         group=self.group, timeout_s=self.options.plan_timeout_s)[0]
+        return self._load(state, step, self.options.strict if strict is None else strict)[0]
+
+    def _load(self, state: dict | None, step: int | None, strict: bool) -> tuple[int, dict]:
+        if self._tier is not None:
+            return self._tier.load(state, step=step, verify=self.options.verify, strict=strict,
+                                   timeout_s=self.options.plan_timeout_s)
+        out = load_into(self.storage, state, step=step, verify=self.options.verify,
+                        strict=strict, group=self.group, timeout_s=self.options.plan_timeout_s)
+        self._last_load = {"step": out[0], "tier": "local" if self.storage.is_local else
+                           "remote", "root": self.storage.root}
+        return out
 
     def read(self, *, step: int | None = None) -> dict:
         """The whole checkpoint of ``step`` (default: the newest committed) as a new dict:
@@ -356,8 +458,7 @@ class Engine:
         (modules and optimizers as their state dicts). For converters and tools; collective."""
         self._check_open()
         self._drain_previous()
-        return load_into(self.storage, None, step=step, verify=self.options.verify,
-                         group=self.group, timeout_s=self.options.plan_timeout_s)[1]
+        return self._load(None, step, True)[1]
 
     def resume(self, state: dict) -> int | None:
         """Load the newest committed checkpoint into ``state``; its step, or None if none."""
@@ -399,9 +500,12 @@ class Engine:
         except Exception:  # noqa: BLE001
             pass
         self._writer.close()
+        if self._tier is not None:  # the queued uploads, each bounded by its deadline
+            self._tier.close()
         if self._lease is not None:  # after the last commit
             self._lease.release()
             self._lease = None
+        self._compression.close()
         self._pool.close()  # unpinned before they are freed
         if self._stager is not None:
             self._stager.close()

@@ -25,6 +25,15 @@ class SaveHandle:
         #: (step, error) of an earlier save that failed unobserved, set by an emergency save
         #: (which does not raise it)
         self.earlier_failure: tuple[int, BaseException] | None = None
+        #: the remote tier (``Checkpointer(..., remote=...)``): None (no remote tier),
+        #: "deferred" (uploaded once the uploader is free, unless a newer step replaces it),
+        #: "skipped" (replaced: it stays local), "pending" (uploading), "committed", "failed"
+        self.remote_state: str | None = None
+        self._remote_done = threading.Event()
+        self._remote_exc: BaseException | None = None
+        self._remote_reported = False
+        #: whether this save compressed and why (``compression="auto"``: the measurement)
+        self.compression: dict = {}
 
     @property
     def staged(self) -> bool:
@@ -57,8 +66,36 @@ class SaveHandle:
         self._reported = True
         return self._exc
 
+    def wait_remote(self, timeout: float | None = None) -> "SaveHandle":
+        """Block until the step is committed on the remote tier too; raise the upload's
+        failure. Returns at once when there is no remote tier, and once a deferred step is
+        replaced by a newer one (``remote_state`` None or "skipped")."""
+        if self.remote_state is None:
+            return self
+        if not self._remote_done.wait(timeout):
+            raise TimeoutError(f"upload of step {self.step} still running after {timeout}s")
+        if self._remote_exc is not None:
+            self._remote_reported = True
+            raise self._remote_exc
+        return self
+
+    @property
+    def remote_committed(self) -> bool:
+        return self.remote_state == "committed"
+
+    def _remote_begin(self) -> None:
+        self.remote_state = "pending"
+        self._remote_done.clear()
+
+    def _remote_finish(self, exc: BaseException | None) -> None:
+        self._remote_exc = exc
+        self.remote_state = "failed" if exc is not None else "committed"
+        self._remote_done.set()
+
     def _finish(self, exc: BaseException | None) -> None:
         self._exc = exc
+        if exc is not None and self.remote_state in ("pending", "deferred"):  # never committed
+            self._remote_finish(exc)
         self._done.set()
 
     def __repr__(self) -> str:

@@ -183,6 +183,12 @@ class FastCkptReader(StorageReader):
             for key in span.chunks:
                 reqs = by_chunk[key]
                 _, fqn, c, _ = reqs[0]
+                if "codec" in c and self._whole_into(reqs, fqn, c):
+                    # a compressed chunk that fills its one destination: decoded into it
+                    req, _, _, target = reqs[0]
+                    self._chunk_view(buf, span, fqn, c, into=target)
+                    planner.commit_tensor(req, target)
+                    continue
                 saved = self._chunk_view(buf, span, fqn, c)
                 for req, _, _, target in reqs:
                     src = saved
@@ -226,6 +232,8 @@ class FastCkptReader(StorageReader):
             return False
         req, fqn, c, t = reqs[0]
         n = int(c["length"])
+        if "codec" in c:  # compressed: read in a span and decoded
+            return False
         if not (n > 0 and t.device.type == "cpu" and t.is_contiguous()
                 and not t.is_conj() and not t.is_neg() and t.numel() * t.element_size() == n
                 and list(t.shape) == list(c["sizes"])
@@ -282,7 +290,8 @@ class FastCkptReader(StorageReader):
         # of a millisecond instead of a wait behind the large reads in flight
         items = sorted(items, key=lambda it: (isinstance(it, _Direct), it.file, it.start))
         spans = [it for it in items if isinstance(it, _Span)]
-        nthreads = min(READ_STREAMS, len(items))
+        # object stores fetch more spans at once (each span's ranged GETs share one limit)
+        nthreads = min(max(READ_STREAMS, self.storage.read_streams), len(items))
         free: queue.Queue = queue.Queue()
         try:
             for _ in range(min(nthreads + 2, len(spans))):
@@ -360,18 +369,43 @@ class FastCkptReader(StorageReader):
             if loader is not None:  # every copy done before the buffers are unpinned, freed
                 loader.finish()
 
-    def _chunk_view(self, buf: memoryview, span: "_Span", fqn: str, c: dict) -> torch.Tensor:
-        """The saved chunk as a tensor over ``buf``, after checking its checksum."""
+    def _chunk_view(self, buf: memoryview, span: "_Span", fqn: str, c: dict,
+                    into: torch.Tensor | None = None) -> torch.Tensor:
+        """The saved chunk as a tensor over ``buf``, after checking its checksum (of the
+        stored bytes). A compressed chunk is decoded into ``into`` (a contiguous CPU tensor of
+        its dtype and size), else into a new tensor: its frames are checked as they decode, so
+        a damaged frame is an error even with ``verify=False``."""
         path = f"{self.step_dir}/{c['file']}"
         n = int(c["length"])
         dtype = torch_dtype(self.body["tensors"][fqn]["dtype"], file=path)
-        if n == 0:
+        if n == 0 and "codec" not in c:
             return torch.empty(c["sizes"], dtype=dtype)
         rel = int(c["offset"]) - span.start
         if self.verify:
             self._check_hash(self._io.hash(buf[rel:rel + n], n), fqn, c)
+        if "codec" in c:
+            from ..storage import codec
+            out = into if into is not None else torch.empty(c["sizes"], dtype=dtype)
+            if out.numel():
+                codec.decode_into(buf[rel:rel + n], c["codec"],
+                                  out.view(-1).view(torch.uint8).numpy(), threads=_DECODE_THREADS,
+                                  executor=_decoders(), native=_native_mode(self._io),
+                                  file=path, key=fqn, rank=self.rank, offset=int(c["offset"]))
+            return out
         raw = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=rel)
         return raw.view(dtype).reshape(c["sizes"])
+
+    def _whole_into(self, reqs: list, fqn: str, c: dict) -> bool:
+        """One read item that takes the whole chunk into a contiguous CPU tensor of its dtype
+        and size (a compressed chunk is then decoded straight into it)."""
+        if len(reqs) != 1:
+            return False
+        req, _, _, t = reqs[0]
+        return (t.device.type == "cpu" and t.is_contiguous() and not t.is_conj()
+                and not t.is_neg() and list(t.shape) == list(c["sizes"])
+                and not any(req.storage_offsets) and list(req.lengths) == list(c["sizes"])
+                and t.dtype == torch_dtype(self.body["tensors"][fqn]["dtype"],
+                                           file=f"{self.step_dir}/{fmt.MANIFEST}"))
 
     def _check_hash(self, h: int, fqn: str, c: dict) -> None:
         """Raise CorruptCheckpointError unless ``h`` is chunk ``c``'s recorded checksum."""
@@ -462,6 +496,28 @@ class FastCkptReader(StorageReader):
             if id(v) in refs and refs[id(v)] != k:
                 aliases.setdefault(refs[id(v)], []).append(k)
         return plain, aliases
+
+
+# ---------------------------------------------------------------------------- decoding pool
+
+#: decoder threads for one compressed chunk (its 4 MiB blocks decode in parallel)
+_DECODE_THREADS = 4
+_DECODERS: list = []
+_DECODERS_LOCK = threading.Lock()
+
+
+def _decoders() -> Any:
+    """The process's decoder pool (made on first use, kept: zstd contexts per thread)."""
+    with _DECODERS_LOCK:
+        if not _DECODERS:
+            from concurrent.futures import ThreadPoolExecutor
+            _DECODERS.append(ThreadPoolExecutor(_DECODE_THREADS,
+                                                thread_name_prefix="fastckpt-unzstd"))
+        return _DECODERS[0]
+
+
+def _native_mode(io_backend: Any) -> str:
+    return "auto" if getattr(io_backend, "name", "") == "native" else "off"
 
 
 # ------------------------------------------------------------------------------------- spans

@@ -68,6 +68,11 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)  # superseded: stop early
     deadline: float | None = None  # monotonic; the emergency save's commit deadline
     files: set = field(default_factory=set)  # (coordinator) the shard files it committed
+    #: this rank's shard files as written (name, size, chunks): the remote tier uploads them
+    my_files: list = field(default_factory=list)
+    manifest: bytes | None = None  # (coordinator) the manifest's bytes, once committed
+    upload: bool = False  # hand it to the remote tier once committed (the plan decided)
+    compress: bool = False  # encode the pieces (engine/compress.py)
 
 
 class Writer:
@@ -82,6 +87,12 @@ class Writer:
         self.pool = pool
         #: called (writer thread) after each committed save: (bytes, write_s, stage_s)
         self.on_saved: list[Callable[[int, float, float], None]] = []
+        #: called (writer thread) with each committed Job, after its housekeeping
+        self.on_committed: list[Callable[[Job], None]] = []
+        #: steps retention must keep besides the one just committed (the remote tier's)
+        self.protect: Callable[[], set] = set
+        #: the engine's compression (engine/compress.py), for the pieces of jobs that compress
+        self.compression: Any = None
         self.queue: queue.Queue = queue.Queue()
         #: (coordinator) the writer lease, checked just before each manifest is written
         self.lease: Any = None
@@ -140,7 +151,8 @@ class Writer:
             try:
                 # WRITE_STREAMS pieces are written at once, so one file's drain, fsync and
                 # open overlap the next file's writes and the device queue never runs dry
-                with ThreadPoolExecutor(WRITE_STREAMS, thread_name_prefix="fastckpt-io") as ex:
+                streams = max(WRITE_STREAMS, st.write_streams)  # object stores: more
+                with ThreadPoolExecutor(streams, thread_name_prefix="fastckpt-io") as ex:
                     while remaining:
                         piece, buf, hashes, ready = job.pieces.get()
                         remaining -= 1
@@ -151,14 +163,20 @@ class Writer:
                             self._release(buf, ready)
                             raise FastCkptError(f"save of step {plan.step} was superseded by a "
                                                 "newer save (preemption); nothing was committed")
-                        while len(pending) >= WRITE_STREAMS or (pending and pending[0].done()):
+                        while len(pending) >= streams or (pending and pending[0].done()):
                             files.append(pending.popleft().result())  # raises a write's error
                         pending.append(ex.submit(self._write_piece, st, d, plan, piece, buf,
-                                                 hashes, ready))
+                                                 hashes, ready, job.compress))
                     while pending:
                         files.append(pending.popleft().result())
                 files.sort(key=lambda f: f["piece"])
                 st.sync_dir(d)  # the files' entries, once for all of them
+                job.my_files = files
+                if self.compression is not None and not job.compress:
+                    # the target's bandwidth, for "auto" (an encoding save measures the
+                    # encoders too, so only the plain ones count)
+                    self.compression.record(sum(f["size"] for f in files),
+                                            time.perf_counter() - t0)
             finally:
                 # after a failure, take the pieces still coming so a capped pool never leaves
                 # the training thread waiting for a buffer (the executor has finished by now:
@@ -207,11 +225,13 @@ class Writer:
         job.handle.timings["commit_s"] = time.perf_counter() - t1
         if self.rank == 0:
             self._housekeep(job)
-        job.handle.bytes_written = plan.file_size
+        job.handle.bytes_written = sum(f["size"] for f in job.my_files) or plan.file_size
         job.handle.timings["write_s"] = t1 - t0
         job.handle.timings["total_s"] = time.perf_counter() - job.t0
         for cb in self.on_saved:
             cb(plan.file_size, t1 - t0, job.handle.timings.get("stage_s", 0.0))
+        for cb in self.on_committed:
+            cb(job)
 
     def _committed_anyway(self, job: Job) -> bool:
         """(background, after the coordinator's decision could not be read) Whether the step's
@@ -248,7 +268,8 @@ class Writer:
         self.pool.release(buf)
 
     def _write_piece(self, st: Storage, d: str, plan: SavePlan, piece: Any, buf: memoryview,
-                     hashes: list[int] | None, ready: Any = None) -> dict:
+                     hashes: list[int] | None, ready: Any = None, compress: bool = False
+                     ) -> dict:
         """(background) Write one shard file from its staged buffer, then release the buffer to
         the pool; the file's manifest entries.
         ``hashes``: the chunks' checksums when staging computed them, else computed here while
@@ -261,6 +282,18 @@ class Writer:
         path = f"{d}/{name}"
         gathered = isinstance(buf, Gathered)
         ranges = [(s.offset, s.spec.nbytes) for s in piece.slots]
+        if compress and not gathered:  # encoded, then written; checksums of the stored bytes
+            try:
+                out, size, entries = self.compression.encode_piece(piece, buf)
+            finally:
+                self.pool.release(buf)
+            hashes = st.write_shard(path, out, size, [(o, n) for _, o, n, _ in entries],
+                                    sync_dir=False)
+            chunks = [{"fqn": sl.spec.fqn, "offsets": list(sl.spec.offsets),
+                       "sizes": list(sl.spec.sizes), "offset": o, "length": n,
+                       "checksum": fmt.hexdigest(h), "codec": desc}
+                      for (sl, o, n, desc), h in zip(entries, hashes)]
+            return {"file": name, "piece": piece.index, "size": size, "chunks": chunks}
         if gathered:  # zero-copy: from the tensors' memory and a small bounce buffer
             hashes = st.write_gathered(path, piece.size, buf.segments, buf.hash_ranges)
         else:
@@ -279,23 +312,31 @@ class Writer:
         (``st``: the storage bounded by the commit deadline)."""
         plan, d = job.plan, job.step_dir
         files: dict[str, dict] = {}
+        compressed = False
         tensors = {fqn: {**m, "chunks": []} for fqn, m in plan.tensors.items()}
         for r, res in enumerate(results):
             for f in res["files"]:
                 files[f["file"]] = {"rank": r, "size": f["size"]}
                 for c in f["chunks"]:
-                    tensors[c["fqn"]]["chunks"].append({
-                        "offsets": c["offsets"], "sizes": c["sizes"], "rank": r,
-                        "file": f["file"], "offset": c["offset"], "length": c["length"],
-                        "checksum": c["checksum"]})
+                    entry = {"offsets": c["offsets"], "sizes": c["sizes"], "rank": r,
+                             "file": f["file"], "offset": c["offset"], "length": c["length"],
+                             "checksum": c["checksum"]}
+                    if c.get("codec") is not None:
+                        entry["codec"] = c["codec"]
+                        compressed = True
+                    tensors[c["fqn"]]["chunks"].append(entry)
         body = fmt.new_manifest_body(step=plan.step, world_size=plan.world_size,
                                      save_id=plan.save_id, files=files, tensors=tensors,
                                      trees=plan.trees, user_meta=job.user_meta,
                                      torch_version=_torch_version())
         if self.lease is not None:  # nobody took the root over since the save began
             self.lease.check()
-        st.publish(f"{d}/{fmt.MANIFEST}", fmt.encode_manifest(body, plan.format_version))
+        # compressed chunks: version 3 (an older reader would take their bytes as raw)
+        data = fmt.encode_manifest(body, max(plan.format_version, 3) if compressed
+                                   else plan.format_version)
+        st.publish_manifest(f"{d}/{fmt.MANIFEST}", data)
         job.files = set(files)
+        job.manifest = data
         # nothing else here: the outcome is published as soon as the manifest is (the other
         # ranks wait only until the deadline); housekeeping runs after it (_housekeep)
         return {"step": plan.step, "bytes": sum(f["size"] for f in files.values())}
@@ -320,7 +361,8 @@ class Writer:
                     st.remove(f"{d}/{n}")
 
         def retention(keep_last: int | None) -> None:
-            removed = apply_retention(st, keep_last, protect={plan.step}, force_partial=True)
+            removed = apply_retention(st, keep_last, protect={plan.step} | set(self.protect()),
+                                      force_partial=True)
             if removed:
                 log.info("fastckpt: retention removed steps %s", removed)
 

@@ -30,9 +30,10 @@ from ..errors import CorruptCheckpointError, StateMismatchError
 FORMAT_NAME = "fastckpt"
 #: the newest version this code reads and writes. 1: the original format. 2 adds what a
 #: format-1 reader would load wrongly: tied tensors (two skeleton keys referencing one stored
-#: tensor) and per-rank tensors (``"per_rank": true``, one copy per saving rank). A manifest
-#: that uses neither is written as version 1, readable by older fastckpt.
-FORMAT_VERSION = 2
+#: tensor) and per-rank tensors (``"per_rank": true``, one copy per saving rank). 3 adds
+#: compressed chunks (a ``"codec"`` description, ``length`` the stored bytes). A manifest is
+#: written with the lowest version that holds what it uses, readable by older fastckpt.
+FORMAT_VERSION = 3
 HASH_NAME = "xxh3_64"
 ALIGN = 4096
 SMALL_ALIGN = 64
@@ -41,6 +42,8 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 SHARD_SUFFIX = ".fck"
 INFLIGHT_PREFIX = ".inflight-"
+#: in a local root with a remote tier (``Checkpointer(local, remote=url)``): {"remote": url}
+TIERS = ".tiers.json"
 _STEP_RE = re.compile(r"^step-(\d{10,})$")
 
 #: dtype name (as torch prints it, without "torch.") -> bytes per element
@@ -281,7 +284,15 @@ def _validate_tensor(fqn: object, t: object, files: dict, world: int, bad) -> No
         off, length = c.get("offset"), c.get("length")
         if not _is_int(off) or off < 0:
             raise bad(f"chunk {offs} has byte offset {off!r}", key=fqn)
-        if length != numel * isz or not _is_int(length):
+        if not _is_int(length) or length < 0:
+            raise bad(f"chunk {offs}+{sizes} has length {length!r}", key=fqn)
+        if "codec" in c:  # compressed: ``length`` stored bytes decode to numel x isz
+            from ..storage.codec import CodecError, validate_desc
+            try:
+                validate_desc(c["codec"], numel * isz, length)
+            except CodecError as e:
+                raise bad(f"chunk {offs}: {e}", key=fqn) from None
+        elif length != numel * isz:
             raise bad(f"chunk {offs}+{sizes} has length {length!r}; {numel} x {isz} bytes is "
                       f"{numel * isz}", key=fqn)
         if off + length > files[name]["size"]:

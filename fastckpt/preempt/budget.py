@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 
@@ -86,6 +87,61 @@ def decide(reports: list[dict], step: int, margin: float) -> tuple[str, dict]:
     if infl_left <= left:
         return "wait", nums
     return "abandon", nums
+
+
+def estimate_remote(*, nbytes: int, measured_bps: float | None, record_bps: float | None,
+                    assumed_bps: float, inflight: Any) -> dict:
+    """This rank's report on the remote tier (``Checkpointer(local, remote=url)``): the time to
+    upload ``nbytes`` (the emergency step) at the measured upload bandwidth (the last uploads;
+    else the bench record's; else ``assumed_bps``), and the upload in flight: its step and
+    what is left of it (``inflight``: the tier's current Upload or None)."""
+    bps = measured_bps or record_bps or assumed_bps
+    source = ("measured" if measured_bps else "fastckpt bench record" if record_bps
+              else "assumed")
+    left = 0.0
+    step = None
+    if inflight is not None:
+        step = inflight.step
+        total = sum(int(f["size"]) for f in inflight.files)
+        left = max(0.0, total / bps - (time.monotonic() - inflight.started)) + 0.5
+    return {"up_est_s": round(nbytes / bps + 0.5, 4), "up_mibps": round(bps / (1 << 20), 2),
+            "up_source": source, "up_inflight_step": step, "up_inflight_left_s": round(left, 4)}
+
+
+def decide_remote(reports: list[dict], decision: str, nums: dict, margin: float,
+                  local_survives: bool) -> tuple[str, str, str]:
+    """(every rank alike) What reaches the remote tier inside the window, given the local
+    decision: (remote decision, local decision, why).
+
+    remote: "upload" (the checkpoint of this stop, once committed locally: the emergency step,
+    or the in-flight save the local decision waits for), "finish" (the upload already in
+    flight, of an older step, completes; nothing newer is uploaded), "skip" (nothing more).
+    ``local_survives`` False (a Spot VM's NVMe): a local-only checkpoint is lost with the node,
+    so when the new step cannot be uploaded but the in-flight upload can finish, the local save
+    is skipped too and the window goes to that upload."""
+    left = nums["left_s"]
+    est, infl_left, piece = nums["est_save_s"], nums["inflight_left_s"], nums["inflight_piece_s"]
+    local_s = {"save": est, "wait_then_save": infl_left + est, "supersede": piece + est,
+               "wait": infl_left}.get(decision)
+    up_s = max(r.get("up_est_s", 0.0) for r in reports)
+    ups = [r["up_inflight_step"] for r in reports if r.get("up_inflight_step") is not None]
+    up_left = max((r.get("up_inflight_left_s", 0.0) for r in reports), default=0.0)
+    if local_s is not None and local_s + up_s <= left:
+        return "upload", decision, (f"local {local_s:.2f} s + upload {up_s:.2f} s fit the "
+                                    f"{left:.2f} s left")
+    if ups and up_left <= left:
+        if not local_survives and local_s is not None:
+            return "finish", "skip", (
+                f"the local tier does not survive and the new step's upload ({up_s:.2f} s "
+                f"after {local_s:.2f} s locally) does not fit the {left:.2f} s left: the "
+                f"window goes to the upload of step {max(ups)} in flight ({up_left:.2f} s)")
+        return "finish", decision, (f"the upload of step {max(ups)} in flight fits "
+                                    f"({up_left:.2f} s of {left:.2f} s)")
+    why = (f"no upload fits the {left:.2f} s left (the new step's: "
+           f"{(local_s or 0.0) + up_s:.2f} s)")
+    if not local_survives and local_s is not None:
+        why += "; the local checkpoint is lost if the node is"
+    return "skip", decision, why
 
 
 #: teardown reserve when none was measured (at most grace / 10)

@@ -50,7 +50,7 @@ from typing import Any
 from ..engine import dist as _dist
 from ..engine.dist import StoreUnreachable
 from ..options import platform_grace
-from . import budget
+from . import budget, tiered
 from .budget import teardown_reserve
 from .consensus import PeerLost as _PeerLost, collect, failed_ranks, stop_step
 from .events import EventLog
@@ -407,12 +407,16 @@ class Preemption:
         handle = None
         error: BaseException | None = None
         try:
+            tiered.freeze(self.ckpt)  # the remote tier: only this path uploads from now on
             mine = self._estimate(state)
+            mine.update(tiered.report(self.ckpt, mine["bytes"], self.opts.assumed_upload_mibps))
             self.event("estimate", **mine)
             decision, nums = self._collect(
                 "est", mine, self._dl(-margin), "budget exchange",
-                lambda reports: self.decide(reports, step, margin))
+                lambda reports: tiered.reduce(self.ckpt, reports,
+                                              *self.decide(reports, step, margin), margin))
             self.event("decision", decision=decision, step=step, **nums)
+            tiered.before_save(self.ckpt, nums, self.event)
             log.warning("fastckpt: rank %d: preemption decision at step %d: %s (left %.2f s, "
                         "estimated save %.2f s for %d bytes, in-flight step %s needs %.2f s)",
                         self.rank, step, decision, nums["left_s"], nums["est_save_s"],
@@ -457,6 +461,9 @@ class Preemption:
                            seconds=round(secs, 4), timings={
                                k: round(v, 4) for k, v in handle.timings.items()})
                 self.event("commit", step=step, path=handle.path)
+            target = handle if handle is not None else (last if decision == "wait" else None)
+            tiered.after_save(self.ckpt, nums, target, self._dl(-margin / 4), self.event,
+                              self.rank)
         except _PeerLost as e:
             error = e
         except BaseException as e:  # noqa: BLE001 - a failed emergency save: exit "failed"
@@ -543,8 +550,9 @@ class Preemption:
         if not self.opts.preempt_exit:
             self.event("exit", code=code, reason=reason, missing=missing or None, exiting=False)
             return
-        if self.ckpt.inflight()[0] is not None:
-            clean = False  # an abandoned in-flight save: closing would wait for its writer
+        if self.ckpt.inflight()[0] is not None or getattr(tiered.tier_of(self.ckpt), "busy",
+                                                           False):
+            clean = False  # an abandoned save or upload: closing would wait for its thread
         if code != EXIT_FAILED and self.group.collective:
             _destroy_process_group()
         self.event("exit", code=code, reason=reason, missing=missing or None,

@@ -117,6 +117,17 @@ class Storage(abc.ABC):
         blocking); reads of cached data are faster through the cache than around it."""
         return False
 
+    #: shard files one rank writes at once; object stores with concurrent parts raise it
+    write_streams = 2
+    #: spans one rank's reader fetches at once
+    read_streams = 2
+
+    def publish_manifest(self, path: str, data: bytes) -> None:
+        """Publish a step's manifest: the commit point. This base: :meth:`publish`. Object
+        stores that can put conditionally never overwrite a manifest unseen (see
+        ``fastckpt.storage.s3``)."""
+        self.publish(path, data)
+
     @abc.abstractmethod
     def publish(self, path: str, data: bytes, *, durable: bool = True) -> None:
         """Make ``data`` appear at ``path`` atomically and durably (the commit point).

@@ -1,5 +1,6 @@
-"""Any fsspec file system (s3fs, gcsfs, memory, ...): bounded remote calls, streamed shard
-writes, single-PUT commit.
+"""Any fsspec file system (gcsfs, adlfs, ``memory://``, ...): bounded remote calls, streamed
+shard writes, single-PUT commit. ``s3://`` has its own fast path on top of this class
+(:mod:`fastckpt.storage.s3`: concurrent parts and ranged GETs, conditional commit, retries).
 
 Object stores have no rename; a single PUT of a small object is atomic (readers see the whole
 old object or the whole new one), so the manifest is published with one ``pipe_file`` call.
@@ -10,31 +11,24 @@ as a coroutine on the file system's event loop and is waited for at most ``op_ti
 :meth:`FsspecStorage.bounded` view when that comes first; then it is cancelled (the HTTP
 request is torn down, and the client's retry loop with it) and a StorageError names the
 operation, the URL and the bound that passed. Synchronous file systems (``memory://``) are
-called directly: they have no network to hang on.
-
-Shard uploads on s3 go through an ``S3File`` whose every request (begin, upload part, complete
-or a one-shot PUT, abort) runs under those bounds. Other buffered file systems (gcsfs, ...)
-upload through ``fs.open``: their requests are bounded only by their clients' own timeouts.
+called directly: they have no network to hang on. Shard uploads go through ``fs.open``, one
+stream: their requests are bounded only by their clients' own timeouts.
 
 A shard upload that fails is *discarded*, never closed: closing an fsspec file after an error
-commits the partial object (s3fs completes the multipart upload with the parts sent so far).
-For buffered uploads (s3fs, gcsfs, ...: ``AbstractBufferedFile``) ``discard()`` aborts the
-multipart/resumable upload and the file is marked closed so that its finaliser cannot commit
-either; nothing becomes visible. File systems that write in place (``memory://``) have already
-made the partial object visible, so it is removed. This holds for ``BaseException`` too
+commits the partial object (a buffered upload completes with the parts sent so far). For
+buffered uploads (gcsfs, ...: ``AbstractBufferedFile``) ``discard()`` aborts the resumable /
+multipart upload and the file is marked closed so that its finaliser cannot commit either;
+nothing becomes visible. File systems that write in place (``memory://``) have already made
+the partial object visible, so it is removed. This holds for ``BaseException`` too
 (KeyboardInterrupt, SystemExit from a preemption handler), which is re-raised unchanged.
 That cleanup has its own short bound (``min(10 s, op_timeout_s)``), independent of a save
-deadline that may have passed already. An s3 multipart upload it cannot abort (the endpoint
-does not answer) is logged, recorded in :attr:`FsspecStorage.unaborted` and named in the
-error; :meth:`FsspecStorage.incomplete_uploads` lists it and ``abort_upload`` aborts it later
-(``fastckpt gc``). Unfinished multipart uploads are invisible to readers but are billed.
+deadline that may have passed already.
 
 When fastckpt opens an s3 file system it sets the botocore timeouts and retries that
-``storage_options["config_kwargs"]`` leaves out (:data:`S3_CONFIG_DEFAULTS`), so that a request
-made outside these bounds (another user of the same file system, such as ``fastckpt bench``)
-gives up on a silent endpoint after about 150 s instead of 375 s: s3fs itself tries a
-timed-out request 5 times (not configurable per file system), each try being botocore's
-attempts of up to ``read_timeout`` each.
+``storage_options["config_kwargs"]`` leaves out (:data:`S3_CONFIG_DEFAULTS`): s3fs's own
+timeouts (a connection within 5 s, response bytes 15 s apart at most), stated so they do not
+change under us, and one try per request: fastckpt's choke point
+(``fastckpt.storage.s3.S3Storage._request``) retries, so no request is retried by two layers.
 """
 
 from __future__ import annotations
@@ -42,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
-import functools
 import logging
 import sys
 import time
@@ -65,11 +58,9 @@ _MIN_RATE = 8 << 20
 _CLEANUP_S = 10.0
 
 #: botocore settings fastckpt gives an s3 file system where ``config_kwargs`` does not set
-#: them: s3fs's own timeouts (a connection within 5 s, response bytes 15 s apart at most),
-#: stated so they do not change under us, and 2 tries of a request instead of botocore's
-#: default 5 ("legacy" mode), inside s3fs's own 5
+#: them (see the module docstring): one try per request, fastckpt retries
 S3_CONFIG_DEFAULTS = {"connect_timeout": 5, "read_timeout": 15,
-                      "retries": {"total_max_attempts": 2, "mode": "standard"}}
+                      "retries": {"total_max_attempts": 1, "mode": "standard"}}
 
 #: protocols whose "directories" are key prefixes: makedirs is a no-op there (s3fs would
 #: otherwise probe, and try to create, the bucket on every call)
@@ -146,22 +137,27 @@ class FsspecStorage(Storage):
     def _cleanup_s(self) -> float:
         return min(_CLEANUP_S, self.op_timeout_s)
 
-    def _run(self, op: str, fn, *args, nbytes: int = 0, timeout: float | None = None, **kw):
-        """``await fn(*args, **kw)`` on the file system's loop within the bound, else cancel it
-        and raise TimeoutError saying which bound passed. ``timeout``: a fixed bound instead of
-        the per-call one and the deadline (cleanup)."""
+    def _bound(self, op: str, nbytes: int = 0, timeout: float | None = None
+               ) -> tuple[float, str | None]:
+        """(seconds, which bound) for one call: ``timeout`` (a fixed bound: cleanup), else the
+        per-call bound or what is left of the deadline, whichever is sooner (bound None)."""
         if timeout is not None:
-            bound: str | None = "the cleanup bound"
-        else:
-            timeout = self.op_timeout_s + nbytes / _MIN_RATE
-            bound = (f"the per-call bound: op_timeout_s={self.op_timeout_s:g}"
-                     + (" and time for the bytes" if nbytes else ""))
-            left = None if self.deadline is None else self.deadline - time.monotonic()
-            if left is not None and left < timeout:
-                if left <= 0:
-                    raise TimeoutError(f"the save deadline passed before {op} was sent")
-                timeout, bound = left, None  # None: the deadline
-        fut = asyncio.run_coroutine_threadsafe(fn(*args, **kw), self.fs.loop)
+            return timeout, "the cleanup bound"
+        timeout = self.op_timeout_s + nbytes / _MIN_RATE
+        bound: str | None = (f"the per-call bound: op_timeout_s={self.op_timeout_s:g}"
+                             + (" and time for the bytes" if nbytes else ""))
+        left = None if self.deadline is None else self.deadline - time.monotonic()
+        if left is not None and left < timeout:
+            if left <= 0:
+                raise TimeoutError(f"the save deadline passed before {op} was sent")
+            timeout, bound = left, None  # None: the deadline
+        return timeout, bound
+
+    @staticmethod
+    def _wait(op, fut, timeout: float, bound: str | None):
+        """The result of ``fut`` within ``timeout``, else cancel it and raise TimeoutError
+        saying which bound passed (``op``: the call's name, or a callable that says which
+        request was under way)."""
         try:
             done, _ = concurrent.futures.wait([fut], timeout=timeout)
         except BaseException:
@@ -169,23 +165,26 @@ class FsspecStorage(Storage):
             raise
         if not done:
             fut.cancel()  # tears the request down; no retry loop keeps running
+            name = op() if callable(op) else op
             if bound is None:
-                raise TimeoutError(f"the save deadline passed: no answer to {op} within the "
+                raise TimeoutError(f"the save deadline passed: no answer to {name} within the "
                                    f"{timeout:.1f} s left")
-            raise TimeoutError(f"no answer to {op} within {timeout:.1f} s ({bound})")
+            raise TimeoutError(f"no answer to {name} within {timeout:.1f} s ({bound})")
         return fut.result()
+
+    def _run(self, op: str, fn, *args, nbytes: int = 0, timeout: float | None = None, **kw):
+        """``await fn(*args, **kw)`` on the file system's loop within the bound, else cancel it
+        and raise TimeoutError saying which bound passed. ``timeout``: a fixed bound instead of
+        the per-call one and the deadline (cleanup)."""
+        timeout, bound = self._bound(op, nbytes, timeout)
+        fut = asyncio.run_coroutine_threadsafe(fn(*args, **kw), self.fs.loop)
+        return self._wait(op, fut, timeout, bound)
 
     def _call(self, name: str, *args, nbytes: int = 0, timeout: float | None = None, **kw):
         """``fs.<name>(*args, **kw)``: bounded on async file systems, direct on sync ones."""
         if not self._async:
             return getattr(self.fs, name)(*args, **kw)
         return self._run(name, getattr(self.fs, "_" + name), *args, nbytes=nbytes,
-                         timeout=timeout, **kw)
-
-    def _call_s3(self, method: str, *kwarglists: dict, nbytes: int = 0,
-                 timeout: float | None = None, **kw):
-        """One S3 request through s3fs (its error translation, its retries), bounded."""
-        return self._run(method, self.fs._call_s3, method, *kwarglists, nbytes=nbytes,
                          timeout=timeout, **kw)
 
     # -- Storage -------------------------------------------------------------------------------
@@ -234,8 +233,7 @@ class FsspecStorage(Storage):
         f = None
         pos = 0
         try:
-            f = (_bounded_s3_file()(self, path) if self._s3
-                 else self.fs.open(path, "wb", block_size=_CHUNK))
+            f = self.fs.open(path, "wb", block_size=_CHUNK)
             while pos < nbytes:
                 piece = mv[pos:pos + _CHUNK]
                 f.write(piece)
@@ -257,11 +255,11 @@ class FsspecStorage(Storage):
         from fsspec.spec import AbstractBufferedFile
         if isinstance(f, AbstractBufferedFile):
             try:
-                f.discard()  # s3: abort the multipart upload (bounded, never raises)
+                f.discard()  # abort the multipart / resumable upload
             except Exception:
                 pass
             f.closed = True  # close() -- and so __del__ -- would commit what was written
-            return getattr(f, "left_behind", None)
+            return None
         try:
             f.close()
         except Exception:
@@ -271,28 +269,6 @@ class FsspecStorage(Storage):
         except Exception:
             pass
         return None
-
-    def _abort_after_failure(self, bucket: str, key: str, upload_id: str | None) -> str | None:
-        """Abort the multipart upload of a failed shard write within the cleanup bound; when it
-        cannot be aborted, log and record it and return a note for the error message."""
-        url = self.display(f"{bucket}/{key}")
-        if upload_id is None:
-            left = "may have left an unfinished multipart upload"
-            why = "the request that begins one got no answer"
-        else:
-            try:
-                self._call_s3("abort_multipart_upload", Bucket=bucket, Key=key,
-                              UploadId=upload_id, timeout=self._cleanup_s)
-                return None
-            except FileNotFoundError:
-                return None  # no such upload: nothing is left
-            except Exception as e:
-                left = "left an unfinished multipart upload"
-                why = f"id {upload_id}; aborting it failed: {e}"
-        self.unaborted.append({"url": url, "upload_id": upload_id, "when_unix": time.time()})
-        log.warning("a failed shard write %s in s3 bucket %s, key %s (%s); `fastckpt gc` aborts "
-                    "it", left, bucket, key, why)
-        return f"{left} at {url} ({why}); `fastckpt gc` aborts it"
 
     def read_into(self, path: str, offset: int, buf, nbytes: int, *,
                   hash: bool = True, direct: bool | None = None) -> int | None:
@@ -360,107 +336,3 @@ class FsspecStorage(Storage):
             raise storage_error(e, "removing", self.display(path)) from e
         finally:
             self.fs.invalidate_cache(path)
-
-    # -- unfinished uploads (fastckpt gc) ------------------------------------------------------
-    def incomplete_uploads(self) -> list[dict]:
-        """s3: the multipart uploads begun under the root's key prefix and neither completed
-        nor aborted, each ``{"url", "key", "upload_id", "initiated_unix"}``; other file
-        systems: ``[]``."""
-        if not self._s3:
-            return []
-        bucket, key, _ = self.fs.split_path(self.root)
-        kw = {"Bucket": bucket, **({"Prefix": key.rstrip("/") + "/"} if key else {})}
-        found = []
-        try:
-            while True:
-                out = self._call_s3("list_multipart_uploads", **kw)
-                found += [{"url": self.display(f"{bucket}/{u['Key']}"), "key": u["Key"],
-                           "upload_id": u["UploadId"],
-                           "initiated_unix": u["Initiated"].timestamp()}
-                          for u in out.get("Uploads", [])]
-                if not out.get("IsTruncated"):
-                    return found
-                kw.update(KeyMarker=out["NextKeyMarker"],
-                          UploadIdMarker=out["NextUploadIdMarker"])
-        except Exception as e:
-            raise storage_error(e, "listing unfinished multipart uploads",
-                                self.display(self.root)) from e
-
-    def abort_upload(self, upload: dict) -> None:
-        """Abort one upload of :meth:`incomplete_uploads` (or of :attr:`unaborted`, when its
-        ``upload_id`` is known); one already gone is fine."""
-        if not self._s3:
-            return
-        bucket, key, _ = self.fs.split_path(upload["url"])
-        try:
-            self._call_s3("abort_multipart_upload", Bucket=bucket, Key=key,
-                          UploadId=upload["upload_id"])
-        except FileNotFoundError:
-            pass
-        except Exception as e:
-            raise storage_error(e, f"aborting the multipart upload {upload['upload_id']}",
-                                upload["url"]) from e
-
-
-@functools.cache
-def _bounded_s3_file():
-    """The class of s3 shard uploads, made on first use (s3fs is imported only for s3)."""
-    from s3fs.core import S3File
-
-    class BoundedS3File(S3File):
-        """An ``S3File`` for writing whose every request runs under ``storage``'s bounds.
-
-        ``S3File`` sends its requests through ``_call_s3`` (begin, upload part, complete, PUT),
-        ``_abort_mpu`` (abort) and, for an empty file, the file system's ``touch``; the three
-        are replaced here, the rest (buffering, part numbering, the commit, and the hooks the
-        storage tests inject faults at) stays s3fs's. Parts go out one at a time.
-        ``left_behind``: a note on an upload that could not be aborted, for the error.
-        """
-
-        def __init__(self, storage: FsspecStorage, path: str) -> None:
-            fs = storage.fs
-            extra = fs.s3_additional_kwargs
-            super().__init__(fs, path, "wb", block_size=_CHUNK,
-                             acl=extra.get("ACL", False) or extra.get("acl", False),
-                             s3_additional_kwargs=dict(extra),
-                             # an attribute since s3fs 2026.9; req_kw before
-                             requester_pays=getattr(fs, "requester_pays",
-                                                    bool(getattr(fs, "req_kw", None))))
-            self.storage = storage
-            self.left_behind: str | None = None
-
-        def _call_s3(self, method, *kwarglist, **kwargs):
-            body = kwargs.get("Body")
-            try:
-                # the arguments S3File._call_s3 passes (s3fs >= 2026.9 adds the payer's)
-                payer = ((self._request_payer_kw,) if hasattr(self, "_request_payer_kw")
-                         else ())
-                return self.storage._call_s3(method, self.s3_additional_kwargs, *payer,
-                                             *kwarglist,
-                                             nbytes=len(body) if body is not None else 0,
-                                             **kwargs)
-            except BaseException as e:
-                # cut short without an answer, the request may have begun an upload all the same
-                if method == "create_multipart_upload" and (
-                        isinstance(e, TimeoutError) or not isinstance(e, Exception)):
-                    self.left_behind = self.storage._abort_after_failure(self.bucket, self.key,
-                                                                         None)
-                raise
-
-        def _abort_mpu(self):
-            if self.mpu:
-                upload_id, self.mpu = self.mpu["UploadId"], None
-                self.left_behind = self.storage._abort_after_failure(self.bucket, self.key,
-                                                                     upload_id)
-
-        def commit(self):
-            if self.tell() == 0:  # S3File would create the empty object with an unbounded touch
-                if self.buffer is not None:
-                    acl = {"ACL": self.acl} if self.acl else {}
-                    self._call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=b"",
-                                  **acl)
-                    self.buffer = None
-                return
-            super().commit()
-
-    return BoundedS3File

@@ -31,6 +31,7 @@ __all__ = [
     "NativeBackend",
     "PythonBackend",
     "aligned_buffer",
+    "byte_regroup_kernels",
     "get_backend",
     "native_available",
     "native_error",
@@ -201,3 +202,17 @@ def get_backend(mode: str = "auto") -> IOBackend:
             _instances[name] = b
         return b
 
+
+
+# --------------------------------------------------------------------------------------------
+# byte grouping kernels of the compression codec (fastckpt.storage.codec)
+# --------------------------------------------------------------------------------------------
+
+
+def byte_regroup_kernels():
+    """``(byte_group, byte_ungroup)`` of the C extension (GIL released), or None when it did not
+    load or was built before they existed; :mod:`fastckpt.storage.codec` then uses its
+    pure-Python kernels, which give the same bytes."""
+    group = getattr(_ext, "byte_group", None)
+    ungroup = getattr(_ext, "byte_ungroup", None)
+    return (group, ungroup) if group is not None and ungroup is not None else None

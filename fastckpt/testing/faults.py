@@ -149,7 +149,19 @@ class FaultyStorage(Storage):
     def cached(self, path: str) -> bool:
         return self.inner.cached(path)
 
-    def publish(self, path: str, data: bytes, *, durable: bool = True) -> None:
+    @property
+    def write_streams(self) -> int:  # type: ignore[override]
+        return self.inner.write_streams
+
+    @property
+    def read_streams(self) -> int:  # type: ignore[override]
+        return self.inner.read_streams
+
+    def publish_manifest(self, path: str, data: bytes) -> None:
+        self.publish(path, data, _manifest=True)
+
+    def publish(self, path: str, data: bytes, *, durable: bool = True,
+                _manifest: bool = False) -> None:
         manifest = path.endswith("/" + fmt.MANIFEST)
         if manifest:
             self._point("before_manifest")
@@ -157,7 +169,10 @@ class FaultyStorage(Storage):
                 d = path.rsplit("/", 1)[0]
                 self.inner.publish(f"{d}/.{fmt.MANIFEST}.tmp-fault", data[: len(data) // 2])
                 self._point("manifest_tmp_written")
-        self.inner.publish(path, data, durable=durable)
+        if _manifest:
+            self.inner.publish_manifest(path, data)
+        else:
+            self.inner.publish(path, data, durable=durable)
         if manifest:
             self._shared["committed"] = True
             self._point("after_manifest")

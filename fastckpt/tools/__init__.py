@@ -24,7 +24,7 @@ and raises the errors of :mod:`fastckpt.errors` for expected conditions (no comm
 from ..manifest.verify import Problem
 from .describe import (VERIFIED_PREFIX, VERIFY_FAILED_PREFIX, StepRecord, as_storage,
                        describe_steps, display_path, newest_committed, not_found_hint,
-                       step_data_bytes)
+                       remote_tier, step_data_bytes)
 from .gc import GcAction, abort_uploads, plan_gc, run_gc, stale_uploads
 from .inspect import inspect_step
 from .sizes import human_bytes, parse_size
@@ -34,5 +34,5 @@ __all__ = [
     "VERIFIED_PREFIX", "VERIFY_FAILED_PREFIX", "StepRecord", "Problem", "VerifyResult",
     "GcAction", "as_storage", "display_path", "describe_steps", "newest_committed",
     "verify_step", "inspect_step", "plan_gc", "run_gc", "parse_size", "human_bytes",
-    "step_data_bytes", "not_found_hint", "stale_uploads", "abort_uploads",
+    "step_data_bytes", "not_found_hint", "stale_uploads", "abort_uploads", "remote_tier",
 ]

@@ -22,6 +22,19 @@ def as_storage(root: str | os.PathLike | Storage, **kw: Any) -> Storage:
     return root if isinstance(root, Storage) else open_storage(str(root), **kw)
 
 
+def remote_tier(storage: Storage) -> tuple[str, Storage] | None:
+    """The remote tier a local root names (``Checkpointer(local, remote=url)`` records it in
+    ``ROOT/.tiers.json``): (its URL, its storage, opened with the environment's credentials),
+    or None."""
+    if not storage.is_local:
+        return None
+    rec = read_small_json(storage, storage.join(fmt.TIERS)) or {}
+    url = rec.get("remote")
+    if not isinstance(url, str) or "://" not in url:
+        return None
+    return url, open_storage(url)
+
+
 def display_path(storage: Storage, path: str) -> str:
     """A path as the user would type it: a URL for fsspec backends, a plain path otherwise."""
     disp = getattr(storage, "display", None)

@@ -1,0 +1,519 @@
+"""Local-first tiering: every save commits to the local root (the short stall, the fast
+device), then each rank uploads its shard files of that step to the remote root and the
+coordinator commits the same manifest there. On a preempted cloud VM the local NVMe goes with
+the node: a checkpoint counts once it is off the node.
+
+Call sequence of one upload (``Tier``; "uploader": one background thread per Checkpointer):
+
+1. (all ranks, training thread, in the save's plan exchange) every rank says whether its
+   uploader is still busy with an earlier step; if none is, the step is uploaded once it is
+   committed locally, else it is *deferred* (``SaveHandle.remote_state == "deferred"``). No
+   local save ever waits for an upload.
+2. (all ranks, writer thread, after the local commit) the step goes to the uploader: this
+   rank's files (names, sizes, chunk offsets and checksums) and, on the coordinator, the
+   manifest's bytes; a deferred step replaces the previous deferred one (which is then
+   "skipped": it stays local). Local retention keeps both until their upload is over.
+3. (all ranks, uploader) (coordinator, first upload) take the remote root's writer lease.
+   Upload each file: the local file mapped read-only (its pages are read from the page cache
+   by the HTTP client; no staging copy), its parts in flight at once (``S3Storage``), every
+   chunk's checksum computed again from the mapped bytes and compared with the manifest's: a
+   file that changed on the local disk is not committed remotely.
+4. (all ranks, uploader) ``commit.commit`` under ``<save_id>.remote`` with the upload's
+   deadline (``commit_timeout_s``; an emergency upload: the grace deadline): (coordinator)
+   the same manifest bytes on the remote root, by a conditional PUT; every rank learns the
+   outcome. A failed upload removes this rank's remote files (bounded); nothing is visible
+   remotely without the manifest.
+5. (coordinator) the remote ``latest`` hint, leftovers of earlier attempts, retention with
+   ``remote_keep_last`` (an emergency upload removes nothing, as an emergency save), then
+   local retention of committed steps that were kept only for their upload.
+6. The handle's remote completion is set: committed, or failed (``wait_remote()`` raises).
+7. (all ranks, uploader) the chain: (coordinator) names the newest deferred step under
+   ``<save_id>.chain`` (or none); every rank uploads that step next (1-6), its uploader staying
+   busy meanwhile. So the remote tier gets the newest step whenever the uploader is free, and
+   ``close()`` (which waits for the chain) leaves the newest step uploaded unless a save came
+   in the moment the chain ended. Every wait is bounded by ``commit_timeout_s``.
+
+Resume (``Tier.load``): every rank reports the newest committed step of each tier; the newest
+step of either tier is loaded, from the local root when every rank has it there (faster),
+else from the remote root; a local copy that fails to load (a damaged or missing shard) is
+loaded from the remote tier instead. ``last_load`` says which tier it came from.
+
+Limits: the local root is one file system every rank of the job sees (one node's NVMe, or a
+shared file system), as for an untiered root. Node-local disks of a multi-node job are not a
+local tier yet.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, FastCkptError,
+                      StorageError)
+from ..lease import WriterLease
+from ..manifest import schema as fmt
+from ..manifest.discovery import find_step
+from ..retention import apply_retention
+from ..storage import Storage
+from .commit import commit
+from .load import load_into
+
+log = logging.getLogger("fastckpt")
+
+#: the record in the local root that names its remote tier (no credentials): for the CLI
+TIERS_FILE = fmt.TIERS
+DISCARD_S = 10.0
+DEFERRED_KEPT = 4  # deferred steps kept per rank for the chain
+_SENTINEL = object()
+
+
+@dataclass
+class Upload:
+    """One step for the uploader (see the module docstring, step 2)."""
+    step: int
+    save_id: str
+    local_dir: str
+    files: list  # this rank's: [{"file", "size", "chunks": [{"offset", "length", "checksum"}]}]
+    manifest: bytes | None  # the coordinator's
+    handle: Any
+    deadline: float | None = None  # monotonic; an emergency upload's
+    cancel: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    seconds: float = 0.0
+    started: float = 0.0  # monotonic, when its first file began
+
+
+def remote_display(url: str) -> str:
+    """``url`` without user info (``s3://key:secret@bucket/x`` -> ``s3://bucket/x``)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    host, slash, path = rest.partition("/")
+    return f"{scheme}://{host.rsplit('@', 1)[-1]}{slash}{path}"
+
+
+class Tier:
+    """The remote tier of one engine (``Checkpointer(local, remote=url)``)."""
+
+    def __init__(self, engine: Any, remote: Storage, url: str) -> None:
+        self.engine = engine
+        self.storage = remote
+        self.url = url
+        opts = engine.options
+        self.keep_last = opts.keep_last if opts.remote_keep_last == "same" else \
+            opts.remote_keep_last
+        self.rank = engine.rank
+        #: (bytes, seconds) of this rank's last uploads, for the emergency budget
+        self.samples: deque = deque(maxlen=5)
+        #: which tier and root the last load came from: {"step", "tier", "root"}
+        self.last_load: dict | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._current: Upload | None = None
+        self._pending = 0  # queued or running, the chain included
+        self._lock = threading.Condition()
+        self._deferred: list = []  # deferred, locally committed Jobs, oldest first
+        self._thread: threading.Thread | None = None
+        self._lease: WriterLease | None = None
+        self._recorded = False
+        #: set by the preemption trigger: only its own uploads from now on (see ``freeze``)
+        self.frozen = False
+
+    # -- state the engine and the trigger read ------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """An upload is queued or running on this rank."""
+        with self._lock:
+            return self._pending > 0
+
+    def protected(self) -> set[int]:
+        """Local steps that retention must keep: queued, deferred or being uploaded."""
+        with self._lock:
+            cur = self._current
+            out = {u.step for u in list(self._queue.queue) if isinstance(u, Upload)}
+            out |= {j.plan.step for j in self._deferred}
+        if cur is not None:
+            out.add(cur.step)
+        return out
+
+    def current(self) -> Upload | None:
+        return self._current
+
+    def bytes_per_s(self) -> float | None:
+        """This rank's measured upload bandwidth (its last uploads), None before any."""
+        if not self.samples:
+            return None
+        b = sum(s[0] for s in self.samples)
+        t = sum(s[1] for s in self.samples)
+        return b / t if t > 0 else None
+
+    # -- the engine's calls --------------------------------------------------------------------
+    def record(self) -> None:
+        """(coordinator, first save) Name the remote tier in the local root, for the CLI."""
+        if self._recorded or self.rank != 0:
+            return
+        st = self.engine.storage
+        try:
+            st.publish(st.join(TIERS_FILE), json.dumps(
+                {"remote": remote_display(self.url)}).encode(), durable=False)
+            self._recorded = True
+        except StorageError as e:
+            log.warning("fastckpt: could not record the remote tier in %s: %s", st.root, e)
+
+    def defer(self, job: Any) -> None:
+        """(writer thread) A committed local save whose plan found an uploader busy: a
+        candidate of the chain (step 7). The last few are kept: a rank may commit a newer
+        one before the coordinator names the older one (its housekeeping comes first)."""
+        with self._lock:
+            self._deferred.append(job)
+            old = self._deferred[:-DEFERRED_KEPT]
+            del self._deferred[:-DEFERRED_KEPT]
+            self._lock.notify_all()
+        for j in old:
+            _skipped(j)
+
+    def _take_deferred(self, save_id: str | None, until: float) -> Any:
+        """A deferred job, removed with the older ones (which are skipped): ``save_id``'s,
+        waited for until ``until``; None: the newest there is (or None)."""
+        with self._lock:
+            while True:
+                ids = [j.plan.save_id for j in self._deferred]
+                if save_id is None or save_id in ids:
+                    i = len(ids) - 1 if save_id is None else ids.index(save_id)
+                    job = self._deferred[i] if i >= 0 else None
+                    older = self._deferred[:max(i, 0)]
+                    del self._deferred[:i + 1]
+                    break
+                left = until - time.monotonic()
+                if left <= 0:
+                    return None
+                self._lock.wait(min(left, 1.0))
+        for j in older:
+            _skipped(j)
+        return job
+
+    def _upload_of(self, job: Any, deadline: float | None) -> Upload:
+        job.handle._remote_begin()
+        return Upload(step=job.plan.step, save_id=job.plan.save_id, local_dir=job.step_dir,
+                      files=list(job.my_files), manifest=job.manifest, handle=job.handle,
+                      deadline=deadline)
+
+    def submit(self, job: Any, deadline: float | None = None) -> Upload:
+        """(writer thread, or the trigger) Queue the upload of a committed local save."""
+        up = self._upload_of(job, deadline)
+        with self._lock:
+            self._pending += 1
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="fastckpt-uploader",
+                                            daemon=True)
+            self._thread.start()
+        self._queue.put(up)
+        return up
+
+    def freeze(self) -> None:
+        """(preemption) From now on only the emergency path starts uploads: committed saves
+        are not handed over, the chain stops, queued uploads that have not begun fail at once
+        (the one in flight goes on: the decision may let it finish, or supersede it)."""
+        self.frozen = True
+        with self._lock:
+            for u in list(self._queue.queue):
+                if isinstance(u, Upload) and u.deadline is None:
+                    u.cancel.set()
+
+    def supersede(self) -> Upload | None:
+        """Stop the upload in flight before its next file (it fails, nothing committed)."""
+        cur = self._current
+        if cur is not None:
+            cur.cancel.set()
+        return cur
+
+    def close(self) -> None:
+        """Finish the queued uploads (each bounded by its deadline), stop the thread, release
+        the remote lease."""
+        if self._thread is not None:
+            self._queue.put(_SENTINEL)
+            self._thread.join()
+            self._thread = None
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
+    # -- the uploader thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            up = self._queue.get()
+            if up is _SENTINEL:
+                with self._lock:
+                    left, self._deferred = self._deferred, []
+                for j in left:  # saved just as the chain ended: it stays local
+                    _skipped(j)
+                return
+            try:
+                while up is not None:
+                    self._one(up)
+                    # the chain (step 7): the newest deferred step next; not after an
+                    # emergency upload (the process exits)
+                    up = self._chain(up) if up.deadline is None and not self.frozen else None
+            finally:
+                with self._lock:
+                    self._pending -= 1
+
+    def _one(self, up: Upload) -> None:
+        self._current = up
+        t0 = up.started = time.monotonic()
+        try:
+            self._upload(up)
+        except BaseException as e:  # carried to the handle
+            up.error = e
+            log.error("fastckpt: rank %d: upload of step %d to %s failed: %s", self.rank,
+                      up.step, remote_display(self.url), e)
+        finally:
+            up.seconds = time.monotonic() - t0
+            self._current = None
+            up.done.set()
+            up.handle._remote_finish(up.error)
+
+    def _chain(self, done: Upload) -> Upload | None:
+        """(all ranks) Step 7: the coordinator names the next step, the others follow."""
+        ex = self.engine.group.exchange
+        key = f"{done.save_id}.chain"
+        until = time.monotonic() + self.engine.options.commit_timeout_s
+        try:
+            if self.rank == 0:
+                job = self._take_deferred(None, until)
+                ex.set(key, json.dumps(None if job is None else job.plan.save_id).encode())
+            else:
+                found, _ = ex.wait([key], until)
+                if key not in found:
+                    log.warning("fastckpt: rank %d: no word from the coordinator on the next "
+                                "upload within %.0f s", self.rank,
+                                self.engine.options.commit_timeout_s)
+                    return None
+                save_id = json.loads(found[key])
+                job = None if save_id is None else self._take_deferred(save_id, until)
+                if save_id is not None and job is None:
+                    log.warning("fastckpt: rank %d: the step the coordinator chose to upload "
+                                "next (save %s) is not committed here", self.rank, save_id)
+        except Exception as e:  # noqa: BLE001 - a store gone: no chain; saves go on
+            log.warning("fastckpt: rank %d: choosing the next upload failed: %s", self.rank, e)
+            return None
+        return None if job is None else self._upload_of(job, None)
+
+    def _upload(self, up: Upload) -> None:
+        opts = self.engine.options
+        deadline = time.monotonic() + opts.commit_timeout_s
+        if up.deadline is not None:
+            deadline = min(deadline, up.deadline)
+        st = self.storage.bounded(deadline)
+        d = st.join(fmt.step_dirname(up.step))
+        result: dict[str, Any]
+        local_exc: BaseException | None = None
+        nbytes = 0
+        t0 = time.monotonic()
+        try:
+            if self.rank == 0 and self._lease is None:
+                self._lease = WriterLease(self.storage, ttl_s=opts.lease_ttl_s,
+                                          renew_s=opts.lease_ttl_s / 4).acquire()
+            st.makedirs(d)
+            for f in up.files:
+                if up.cancel.is_set():
+                    raise FastCkptError(f"upload of step {up.step} was superseded (preemption)")
+                self._upload_file(st, up, f, f"{d}/{f['file']}")
+                nbytes += int(f["size"])
+            result = {"ok": True}
+        except Exception as e:
+            local_exc = e
+            result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        secs = time.monotonic() - t0
+        group = self.engine.group
+        try:
+            commit(group.exchange, save_id=f"{up.save_id}.remote", rank=self.rank,
+                   world_size=group.world_size, result=result, deadline=deadline,
+                   coordinator=lambda results: self._publish(up, self.storage.bounded(
+                       deadline), d))
+        except FastCkptError as e:
+            if not getattr(e, "outcome_unknown", False):
+                self._discard(up, d)
+            if local_exc is not None and e.__cause__ is None:
+                raise e from local_exc
+            raise
+        if nbytes and secs > 0:
+            self.samples.append((nbytes, secs))
+        if self.rank == 0:
+            self._housekeep(up, d)
+        log.info("fastckpt: rank %d: step %d committed on the remote tier %s (%.2f s)",
+                 self.rank, up.step, remote_display(self.url), time.monotonic() - t0)
+
+    def _upload_file(self, st: Storage, up: Upload, f: dict, dest: str) -> None:
+        """One local shard file to ``dest``: mapped, uploaded, its chunks checked."""
+        src = f"{up.local_dir}/{f['file']}"
+        size = int(f["size"])
+        chunks = f["chunks"]
+        ranges = [(int(c["offset"]), int(c["length"])) for c in chunks]
+        fd = os.open(src, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            if os.fstat(fd).st_size != size:
+                raise CorruptCheckpointError(
+                    f"the local shard holds {os.fstat(fd).st_size} bytes, the manifest says "
+                    f"{size}: not uploaded", file=src, rank=self.rank)
+            if size == 0:
+                st.write_shard(dest, bytearray(1), 0, [])
+                return
+            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        try:
+            if hasattr(mm, "madvise"):  # read ahead: the HTTP client and the hash pass read it
+                mm.madvise(mmap.MADV_SEQUENTIAL)
+                mm.madvise(mmap.MADV_WILLNEED)
+            view = memoryview(mm)
+            try:
+                got = st.write_shard(dest, view, size, ranges)
+            finally:
+                view.release()
+            for c, h in zip(chunks, got):
+                if fmt.hexdigest(h) != c["checksum"]:
+                    self._remove(st, dest)
+                    raise CorruptCheckpointError(
+                        f"the local shard changed since it was written (checksum "
+                        f"{fmt.hexdigest(h)}, the manifest says {c['checksum']}): not uploaded",
+                        file=src, offset=int(c["offset"]), rank=self.rank)
+        finally:
+            try:
+                mm.close()
+            except BufferError:  # a view still held by the HTTP client's objects: freed with
+                pass             # them (the file's fd is closed already)
+            _drop_cache(src)
+
+    def _publish(self, up: Upload, st: Storage, d: str) -> dict:
+        """(coordinator) The commit point of the remote tier: the local manifest's bytes."""
+        if self._lease is not None:
+            self._lease.check()
+        if up.manifest is None:
+            raise FastCkptError(f"step {up.step}: the coordinator has no manifest to upload")
+        st.publish_manifest(f"{d}/{fmt.MANIFEST}", up.manifest)
+        return {"step": up.step}
+
+    def _housekeep(self, up: Upload, d: str) -> None:
+        st = self.storage
+        parts = [("updating the remote latest hint", lambda: st.publish(
+            st.join(fmt.LATEST), json.dumps({"step": up.step}).encode(), durable=False))]
+        if up.deadline is None:
+            def leftovers() -> None:
+                keep = {f["file"] for f in up.files} | {fmt.MANIFEST}
+                body = json.loads(up.manifest or b"{}").get("body", {})
+                keep |= set(body.get("files", {}))
+                for n in st.listdir(d):
+                    if n not in keep:
+                        st.remove(f"{d}/{n}")
+            parts.append(("removing leftovers of earlier uploads", leftovers))
+            parts.append(("remote retention", lambda: apply_retention(
+                st, self.keep_last, protect={up.step}, force_partial=True)))
+            # the local steps kept for their upload (retention of the saves since protected
+            # them); committed ones only: a save may be writing a partial step right now
+            parts.append(("local retention", lambda: apply_retention(
+                self.engine.storage, self.engine.options.keep_last,
+                protect=self.protected() - {up.step}, committed_only=True)))
+        for what, fn in parts:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - committed: the next upload or gc finishes
+                log.warning("fastckpt: step %d committed remotely, but %s failed: %s",
+                            up.step, what, e)
+
+    def _discard(self, up: Upload, d: str) -> None:
+        st = self.storage.bounded(time.monotonic() + DISCARD_S)
+        for f in up.files:
+            self._remove(st, f"{d}/{f['file']}")
+
+    @staticmethod
+    def _remove(st: Storage, path: str) -> None:
+        try:
+            st.remove(path)
+        except Exception as e:  # noqa: BLE001 - gc removes it later
+            log.warning("fastckpt: could not remove %s: %s", path, e)
+
+    # -- resume across tiers -------------------------------------------------------------------
+    def load(self, state: dict | None, *, step: int | None, verify: bool, strict: bool,
+             timeout_s: float) -> tuple[int, dict]:
+        """(all ranks) Load the newest committed step of either tier (or ``step``), from the
+        local root when every rank has it there; see the module docstring."""
+        group = self.engine.group
+        mine = {"local": _newest(self.engine.storage, step),
+                "remote": _newest(self.storage, step)}
+        views = group.gather(mine, timeout_s=timeout_s, what="load: the tiers' newest steps")
+        found = [v[t] for v in views for t in ("local", "remote") if v[t] is not None]
+        if not found:
+            where = f"step {step}" if step is not None else "no committed checkpoint"
+            raise CheckpointNotFoundError(
+                f"{where} in either tier: {self.engine.storage.root} or "
+                f"{remote_display(self.url)}")
+        best = max(found)
+        order = []
+        if all(v["local"] == best for v in views):
+            order.append(("local", self.engine.storage))
+        if all(v["remote"] == best for v in views):
+            order.append(("remote", self.storage))
+        if not order:  # the ranks saw different steps (a commit between their listings)
+            raise CheckpointNotFoundError(
+                f"the ranks do not agree on the newest step ({views}); try again")
+        last: BaseException | None = None
+        for i, (tier, st) in enumerate(order):
+            try:
+                out = load_into(st, state, step=best, verify=verify, strict=strict,
+                                group=group, timeout_s=timeout_s)
+            except (CorruptCheckpointError, StorageError) as e:
+                if i + 1 == len(order):
+                    raise
+                log.warning("fastckpt: rank %d: step %d did not load from the %s tier (%s); "
+                            "loading it from the %s tier", self.rank, best, tier, e,
+                            order[i + 1][0])
+                last = e
+                continue
+            root = st.root if tier == "local" else remote_display(self.url)
+            self.last_load = {"step": out[0], "tier": tier, "root": root}
+            log.info("fastckpt: rank %d: loaded step %d from the %s tier (%s)%s", self.rank,
+                     out[0], tier, root, f" after: {last}" if last else "")
+            return out
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _skipped(job: Any) -> None:
+    job.handle.remote_state = "skipped"
+    job.handle._remote_done.set()
+
+
+def _newest(st: Storage, step: int | None) -> int | None:
+    """The newest committed step of a tier (or ``step`` if committed there), else None."""
+    try:
+        return find_step(st, step)[0]
+    except (CheckpointNotFoundError, CorruptCheckpointError):
+        return None
+    except StorageError as e:
+        log.warning("fastckpt: could not list %s: %s", getattr(st, "root", st), e)
+        return None
+
+
+def _drop_cache(path: str) -> None:
+    """Drop the uploaded file's pages from the page cache (they were read only to upload)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except (OSError, AttributeError):
+        pass
+    finally:
+        os.close(fd)
+
+
+__all__ = ["Tier", "Upload", "TIERS_FILE", "remote_display"]

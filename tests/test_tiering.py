@@ -1,0 +1,285 @@
+"""Local-first tiering: ``Checkpointer(local, remote="s3://...")`` against the moto server on
+127.0.0.1 (behind tests/s3throttle.py where a slow or failing store matters).
+
+Every save commits locally, then uploads and commits the same manifest remotely; a step that
+comes while an upload runs is deferred and the newest deferred one is uploaded next; retention
+per tier; resume takes the newest step of either tier (from the local root when it has it,
+else the remote one, and from the remote one when the local copy is damaged) and says which;
+an upload that fails leaves the local commit and nothing visible remotely; a local shard that
+changed on disk is not uploaded; 2 ranks lose their local root (a Spot VM) and resume
+bit-exact from the remote tier. The emergency decision for the remote tier is checked here as
+a function; tests/test_tiered_preempt.py stops real jobs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.engine import tiering
+from fastckpt.preempt import budget
+from tests.distributed import run
+from tests.models import assert_same, fsdp_mlp, full_state, train_step
+from tests.s3throttle import ThrottleProxy
+
+pytest_plugins = ["tests.s3fixtures"]
+
+pytestmark = [pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning"),
+              pytest.mark.timeout(240)]
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def proxy(s3):
+    with ThrottleProxy(s3.server.port) as p:
+        yield p
+
+
+def _opts(s3, endpoint: str | None = None) -> dict:
+    client = dict(s3.storage_options["client_kwargs"], endpoint_url=endpoint or s3.endpoint)
+    return {**s3.storage_options, "client_kwargs": client, "skip_instance_cache": True}
+
+
+def _state(seed: int, mib: float = 2.0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(int(mib * MiB) // 4, generator=g), "b": torch.randn(7, generator=g),
+            "step": seed}
+
+
+def _dest(mib: float = 2.0) -> dict:
+    return {"w": torch.zeros(int(mib * MiB) // 4), "b": torch.zeros(7), "step": -1}
+
+
+def _remote_steps(s3, prefix: str) -> list[int]:
+    keys = s3.keys(prefix)
+    return sorted(int(k.split("/")[1].split("-")[1]) for k in keys
+                  if k.endswith("/manifest.json"))
+
+
+# --------------------------------------------------------------------------- save and upload
+
+def test_a_save_commits_locally_then_remotely(tmp_path, s3):
+    local = str(tmp_path / "run")
+    with fastckpt.Checkpointer(local, remote=s3.url("t1"), storage_options=_opts(s3)) as ck:
+        h = ck.save(_state(1), step=1)
+        assert h.remote_state == "pending"
+        h.wait()
+        h.wait_remote(timeout=60)
+        assert h.remote_state == "committed" and h.remote_committed
+    d = os.path.join(local, "step-0000000001")
+    remote = s3.path("t1", "step-0000000001")
+    with open(os.path.join(d, "manifest.json"), "rb") as f:
+        assert s3.fs.cat_file(f"{remote}/manifest.json") == f.read()  # the same commit
+    for name in os.listdir(d):
+        if name.endswith(".fck"):
+            with open(os.path.join(d, name), "rb") as f:
+                assert s3.fs.cat_file(f"{remote}/{name}") == f.read()
+    assert json.loads(open(os.path.join(local, tiering.TIERS_FILE)).read()) == {
+        "remote": s3.url("t1")}
+    assert s3.multipart_uploads() == []
+
+
+def test_one_shot_save_and_load_with_remote(tmp_path, s3):
+    local = str(tmp_path / "one")
+    h = fastckpt.save(_state(3), local, step=3, remote=s3.url("one"), storage_options=_opts(s3))
+    assert h.remote_committed  # the one-shot save returns once both tiers committed
+    shutil.rmtree(local)
+    dest = _dest()
+    assert fastckpt.load(dest, local, remote=s3.url("one"), storage_options=_opts(s3)) == 3
+    assert torch.equal(dest["w"], _state(3)["w"]) and dest["step"] == 3
+
+
+def test_steps_that_come_while_uploading_are_deferred_and_the_newest_follows(tmp_path, s3,
+                                                                            proxy):
+    proxy.set_rate(4 * MiB)  # an upload of 2 MiB takes ~0.5 s: the saves below come faster
+    local = str(tmp_path / "run")
+    with fastckpt.Checkpointer(local, remote=s3.url("t2"), storage_options=_opts(
+            s3, proxy.endpoint), keep_last=2, remote_keep_last=3) as ck:
+        handles = []
+        for step in range(1, 6):
+            h = ck.save(_state(step), step=step)
+            h.wait()
+            handles.append(h)
+        states = [h.remote_state for h in handles]
+        assert states[0] in ("pending", "committed") and "deferred" in states[1:], states
+    # close() waited for the chain: the newest step reached the remote tier; the ones replaced
+    # while deferred stayed local (skipped)
+    assert handles[-1].remote_state == "committed", [h.remote_state for h in handles]
+    assert any(h.remote_state == "skipped" for h in handles[1:-1])
+    remote = _remote_steps(s3, "t2")
+    assert remote[-1] == 5 and remote[0] == 1 and len(remote) <= 3
+    assert sorted(int(n.split("-")[1]) for n in os.listdir(local)
+                  if n.startswith("step-")) == [4, 5]  # local retention caught up
+    assert s3.multipart_uploads() == []
+
+
+def test_retention_per_tier(tmp_path, s3):
+    local = str(tmp_path / "ret")
+    with fastckpt.Checkpointer(local, remote=s3.url("ret"), storage_options=_opts(s3),
+                               keep_last=1, remote_keep_last=2) as ck:
+        for step in (10, 20, 30, 40):
+            h = ck.save(_state(step, 0.5), step=step, block=True)
+            h.wait_remote(timeout=60)  # each one uploaded: none deferred
+    assert ck.steps() == [40]
+    assert _remote_steps(s3, "ret") == [30, 40]
+
+
+# ----------------------------------------------------------------------------------- resume
+
+def test_resume_takes_the_newest_of_either_tier_and_says_which(tmp_path, s3, caplog):
+    local = str(tmp_path / "res")
+    url = s3.url("res")
+    with fastckpt.Checkpointer(local, remote=url, storage_options=_opts(s3)) as ck:
+        ck.save(_state(1), step=1, block=True).wait_remote(timeout=60)
+        ck.save(_state(2), step=2, block=True).wait_remote(timeout=60)
+    # both tiers have step 2: the local root is read
+    with fastckpt.Checkpointer(local, remote=url, storage_options=_opts(s3)) as ck:
+        dest = _dest()
+        assert ck.resume(dest) == 2 and ck.last_load == {"step": 2, "tier": "local",
+                                                         "root": local}
+    # a damaged local shard: step 2 is read from the remote tier instead, with a warning
+    d = os.path.join(local, "step-0000000002")
+    shard = next(os.path.join(d, n) for n in os.listdir(d) if n.endswith(".fck"))
+    with open(shard, "r+b") as f:  # a byte of w (the padding is not read by a load)
+        f.seek(os.path.getsize(shard) // 2)
+        b = f.read(1)
+        f.seek(os.path.getsize(shard) // 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with fastckpt.Checkpointer(local, remote=url, storage_options=_opts(s3)) as ck:
+        dest = _dest()
+        assert ck.resume(dest) == 2 and ck.last_load["tier"] == "remote"
+        assert torch.equal(dest["w"], _state(2)["w"])
+    assert any("did not load from the local tier" in r.getMessage() for r in caplog.records)
+    # the node is gone (a new, empty local root): the remote tier's newest step
+    fresh = str(tmp_path / "fresh")
+    with fastckpt.Checkpointer(fresh, remote=url, storage_options=_opts(s3)) as ck:
+        dest = _dest()
+        assert ck.resume(dest) == 2 and ck.last_load == {"step": 2, "tier": "remote",
+                                                         "root": url}
+        assert torch.equal(dest["w"], _state(2)["w"]) and dest["step"] == 2
+    # a newer local step than the remote's (its upload never happened): the local one
+    fastckpt.save(_state(3), local, step=3)
+    with fastckpt.Checkpointer(local, remote=url, storage_options=_opts(s3)) as ck:
+        assert ck.resume(_dest()) == 3 and ck.last_load["tier"] == "local"
+    # neither tier has anything
+    with fastckpt.Checkpointer(str(tmp_path / "none"), remote=s3.url("none"),
+                               storage_options=_opts(s3)) as ck:
+        assert ck.resume(_dest()) is None
+
+
+# --------------------------------------------------------------------------------- failures
+
+def test_a_failed_upload_keeps_the_local_commit_and_shows_nothing_remotely(tmp_path, s3,
+                                                                          proxy):
+    local = str(tmp_path / "fail")
+    url = s3.url("fail")
+    with fastckpt.Checkpointer(local, remote=url, storage_options=_opts(s3, proxy.endpoint),
+                               remote_max_attempts=2) as ck:
+        ck.save(_state(1), step=1, block=True).wait_remote(timeout=60)
+        proxy.inject(403, count=None, method="PUT", path_contains="step-0000000002")
+        h = ck.save(_state(2), step=2, block=True)
+        assert h.committed  # locally
+        with pytest.raises(fastckpt.SaveFailedError) as ei:  # every rank's verdict
+            h.wait_remote(timeout=60)
+        assert "access denied" in str(ei.value) and "step-0000000002" in str(ei.value)
+        assert h.remote_state == "failed"
+        proxy.clear_faults()
+        ck.save(_state(3), step=3, block=True).wait_remote(timeout=60)  # training goes on
+    assert _remote_steps(s3, "fail") == [1, 3]
+    assert not [k for k in s3.keys("fail") if "step-0000000002" in k]  # its files removed
+    assert s3.multipart_uploads() == []
+
+
+def test_a_local_shard_that_changed_is_not_uploaded(tmp_path, s3, monkeypatch):
+    real = tiering.Tier._upload_file
+
+    def rot(self, st, up, f, dest):  # the local disk flips a byte after the commit
+        path = os.path.join(up.local_dir, f["file"])
+        with open(path, "r+b") as fh:
+            fh.seek(8)
+            b = fh.read(1)
+            fh.seek(8)
+            fh.write(bytes([b[0] ^ 1]))
+        return real(self, st, up, f, dest)
+    monkeypatch.setattr(tiering.Tier, "_upload_file", rot)
+    local = str(tmp_path / "rot")
+    with fastckpt.Checkpointer(local, remote=s3.url("rot"), storage_options=_opts(s3)) as ck:
+        h = ck.save(_state(1), step=1, block=True)
+        with pytest.raises(fastckpt.FastCkptError) as ei:
+            h.wait_remote(timeout=60)
+    msg = str(ei.value) + str(ei.value.__cause__)
+    assert "changed since it was written" in msg and ".fck" in msg
+    assert _remote_steps(s3, "rot") == [] and not [k for k in s3.keys("rot") if k.endswith(
+        ".fck")]
+
+
+def test_remote_needs_a_local_root(s3):
+    with pytest.raises(ValueError, match="needs a local root"):
+        fastckpt.Checkpointer(s3.url("a"), remote=s3.url("b"), storage_options=_opts(s3))
+
+
+# ----------------------------------------------------------------------- 2 ranks, node lost
+
+def _two_ranks(rank, world, local, url, opts, phase):
+    torch.manual_seed(0)
+    m = fsdp_mlp(0, width=64)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    if phase == "save":
+        for s in range(3):
+            train_step(m, opt, s, rank, world)
+        with fastckpt.Checkpointer(local, remote=url, storage_options=opts) as ck:
+            ck.save({"model": m, "optim": opt}, step=3, block=True).wait_remote(timeout=90)
+        return full_state(m, opt)
+    m2 = fsdp_mlp(5, width=64)
+    opt2 = torch.optim.Adam(m2.parameters(), lr=1e-2)
+    with fastckpt.Checkpointer(local, remote=url, storage_options=opts) as ck:
+        step = ck.resume({"model": m2, "optim": opt2})
+        return step, ck.last_load, full_state(m2, opt2)
+
+
+def test_two_ranks_lose_the_node_and_resume_from_the_remote_tier(tmp_path, s3):
+    local = str(tmp_path / "spot")
+    url = s3.url("spot")
+    saved = run(_two_ranks, 2, local, url, _opts(s3), "save", timeout=180, env=s3.env)
+    shutil.rmtree(local)  # the Spot VM is gone, and its NVMe with it
+    got = run(_two_ranks, 2, local, url, _opts(s3), "load", timeout=180, env=s3.env)
+    for rank in range(2):
+        step, where, state = got[rank]
+        assert step == 3 and where["tier"] == "remote"
+        assert_same(saved[rank], state)
+
+
+# ------------------------------------------------------------------- the emergency decision
+
+def _rep(left=10.0, est=1.0, up=2.0, up_step=None, up_left=0.0):
+    return {"left_s": left, "est_s": est, "bytes": 1, "inflight_step": None,
+            "inflight_left_s": 0.0, "inflight_piece_s": 0.0, "up_est_s": up,
+            "up_inflight_step": up_step, "up_inflight_left_s": up_left}
+
+
+@pytest.mark.parametrize("reports,survives,want", [
+    # the new step fits locally and remotely: upload it
+    ([_rep(left=10, est=1, up=3)], False, ("upload", "save")),
+    ([_rep(left=10, est=1, up=3), _rep(left=10, est=2, up=6.5)], True, ("upload", "save")),
+    ([_rep(left=10, est=1, up=3), _rep(left=10, est=2, up=7.5)], True, ("skip", "save")),
+    # the new step's upload does not fit, an older upload in flight does: finish it; on a Spot
+    # VM the local save is skipped (it would be lost with the node), on a shared FS it is kept
+    ([_rep(left=5, est=1, up=6, up_step=4, up_left=3)], False, ("finish", "skip")),
+    ([_rep(left=5, est=1, up=6, up_step=4, up_left=3)], True, ("finish", "save")),
+    # nothing fits remotely: the local save alone
+    ([_rep(left=5, est=1, up=6, up_step=4, up_left=9)], False, ("skip", "save")),
+    ([_rep(left=5, est=1, up=6)], True, ("skip", "save")),
+    # the local save itself does not fit: nothing new; an upload in flight may still finish
+    ([_rep(left=2, est=5, up=1, up_step=4, up_left=1)], False, ("finish", "skip")),
+])
+def test_the_remote_decision(reports, survives, want):
+    decision, nums = budget.decide(reports, step=8, margin=1.0)
+    remote, local, why = budget.decide_remote(reports, decision, nums, 1.0, survives)
+    assert (remote, local) == want, why
+    assert why
