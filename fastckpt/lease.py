@@ -22,6 +22,12 @@ holder died); renewed meanwhile -> a live holder: error. After writing its recor
 reads it back ``CONFIRM_S`` later: of two writers racing for a free lease, both see the last
 record written, so exactly one goes on.
 
+On object stores that honour conditional writes (S3: ``If-None-Match``, ``If-Match``; see
+``Storage.conditional_writes``) the record is taken with put-if-absent, or over the record
+just read (``If-Match`` its version), and renewed over its own last version: of two writers
+racing for the lease exactly one write succeeds, no read-back wait is needed, and a holder
+whose lease was taken over learns it at its next renewal.
+
 Limits: object stores without conditional writes decide a race by that read-back, which holds
 when both writers put their record within ``CONFIRM_S`` of reading the old one (with the lock,
 no read-back is needed); a writer that
@@ -44,6 +50,7 @@ import uuid
 from typing import Any
 
 from .errors import StorageError, WriterLockedError
+from .storage.base import ConditionFailed
 from .options import job_id
 from .storage import Storage
 
@@ -81,6 +88,10 @@ class WriterLease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._mu = threading.Lock()
+        #: conditional writes (object stores that honour them): the record's last version
+        self._cond = (not storage.is_local) and storage.conditional_writes()
+        self._version: str | None = None
+        self._seen_version: str | None = None
 
     # -- acquire ------------------------------------------------------------------------------
     def acquire(self) -> "WriterLease":
@@ -139,7 +150,14 @@ class WriterLease:
 
     def _read(self) -> dict | None:
         try:
-            doc = json.loads(self._op().read_bytes(self.path))
+            if self._cond:  # with its version, for the conditional write that follows
+                got = self._op().read_versioned(self.path)
+                self._seen_version = None if got is None else got[1]
+                if got is None:
+                    return None
+                doc = json.loads(got[0])
+            else:
+                doc = json.loads(self._op().read_bytes(self.path))
         except StorageError as e:
             if getattr(e, "errno", None) == errno.ENOENT or isinstance(e.__cause__,
                                                                       FileNotFoundError):
@@ -193,6 +211,18 @@ class WriterLease:
         self.record = {"owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
                        "job": job_id(), "acquired_unix": now, "renewed_unix": now,
                        "ttl_s": self.ttl_s}
+        if self._cond:  # exactly one of racing takers writes: no read-back
+            try:
+                self._version = self._op().put_conditional(
+                    self.path, self._encoded(), if_absent=rec is None,
+                    if_match=None if rec is None else self._seen_version)
+            except ConditionFailed:
+                back = self._read() or {}
+                raise WriterLockedError(
+                    f"another job took the writer lease of {self.storage.root} at the same "
+                    f"time ({describe(back)}); one job writes a root at a time", holder=back,
+                    file=self.path) from None
+            return
         self._write()
         if locked:  # the lock already excludes every other taker
             return
@@ -204,9 +234,11 @@ class WriterLease:
                 f"({describe(back or {})}); one job writes a root at a time", holder=back or {},
                 file=self.path)
 
+    def _encoded(self) -> bytes:
+        return (json.dumps(self.record) + "\n").encode()
+
     def _write(self) -> None:
-        self._op().publish(self.path, (json.dumps(self.record) + "\n").encode(),
-                           durable=False)
+        self._op().publish(self.path, self._encoded(), durable=False)
 
     # -- hold ---------------------------------------------------------------------------------
     def _renewer(self) -> None:
@@ -228,6 +260,15 @@ class WriterLease:
                           "must not write there any more", self.storage.root, describe(rec))
                 return
             self.record["renewed_unix"] = time.time()
+            if self._cond:  # over this holder's own last version, or not at all
+                try:
+                    self._version = self._op().put_conditional(self.path, self._encoded(),
+                                                               if_match=self._version)
+                except ConditionFailed:
+                    log.error("fastckpt: the writer lease of %s was taken over (%s); this job "
+                              "must not write there any more", self.storage.root,
+                              describe(self._read() or {}))
+                return
             self._write()
 
     def check(self) -> None:

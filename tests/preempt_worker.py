@@ -14,7 +14,7 @@ cfg keys: root, out, tag, total, step_s, grace_s, save_every, mib (padding per r
 save_steps, throttle_mibps, throttle_after_periodic,
 fault_after_periodic ("point@rank" armed after the first periodic save),
 slow_resume_s, long_step ({rank: [step, seconds]}), consensus, cancel_signals,
-staging_cap_mib.
+staging_cap_mib, remote ({"url", "options", "local_survives"}: a remote tier).
 """
 
 from __future__ import annotations
@@ -85,6 +85,9 @@ def train(rank: int, world: int, cfg: dict) -> None:
         kw["cancel_signals"] = tuple(cfg["cancel_signals"])
     if cfg.get("staging_cap_mib"):
         kw["staging_cap_bytes"] = int(cfg["staging_cap_mib"] * (1 << 20))
+    if cfg.get("remote"):  # a remote tier: {"url", "options", "local_survives"}
+        kw.update(remote=cfg["remote"]["url"], remote_storage_options=cfg["remote"]["options"],
+                  local_survives=cfg["remote"].get("local_survives", False))
     from fastckpt.testing import faults
     storage = faults.open_faulty(cfg["root"], rank=rank, throttle_mibps=cfg.get("throttle_mibps"))
     ck = fastckpt.Checkpointer(storage, **kw)

@@ -211,7 +211,8 @@ def test_incomplete_uploads_under_the_root_only(s3, proxy):
 def test_s3_client_defaults_fill_only_what_the_user_left_out(s3):
     opts = _options(s3, s3.endpoint, config_kwargs={"read_timeout": 5})
     st = S3Storage(s3.url("run"), storage_options=opts)
-    assert st.fs.config_kwargs == {**S3_CONFIG_DEFAULTS, "read_timeout": 5}
+    assert st.fs.config_kwargs == {**S3_CONFIG_DEFAULTS, "read_timeout": 5,
+                                   "max_pool_connections": st.concurrency}
     assert opts["config_kwargs"] == {"read_timeout": 5}  # the caller's dict is left alone
 
 

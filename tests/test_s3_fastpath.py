@@ -13,6 +13,7 @@ step loadable. Speed is not asserted here: benchmarks/bench_s3.py measures it.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -87,6 +88,12 @@ def test_parts_and_ranges_are_in_flight_together(s3, proxy):
     assert _read(st, st.join("a.fck"), n) == data
     down = proxy.stats()
     assert down["max_in_flight"] == 4 and down["requests"].get("GET") == 8, down
+
+    # past botocore's default pool of 10 connections: the storage raises it to its concurrency
+    many = _storage(s3, proxy, part_bytes=5 * MiB, concurrency=16)
+    proxy.reset_stats()
+    many.write_shard(many.join("m.fck"), _staged(data * 2), 2 * n, [])  # 16 parts
+    assert proxy.stats()["max_in_flight"] == 16
 
     one = _storage(s3, proxy, part_bytes=5 * MiB, concurrency=1)
     proxy.reset_stats()
@@ -275,3 +282,45 @@ def test_a_store_killed_mid_upload_loses_nothing(s3, proxy, capsys):
     dest = {"w": torch.zeros_like(first), "step": 0}
     assert fastckpt.load(dest, url, storage_options=s3.storage_options) == 1
     assert torch.equal(dest["w"], first) and dest["step"] == 1
+
+
+# ------------------------------------------------------------------------ the writer lease
+
+def test_the_lease_on_s3_is_taken_with_conditional_writes(s3, proxy, caplog):
+    """Of writers racing for a free lease exactly one wins (put-if-absent, no read-back
+    wait); an expired lease is taken over with If-Match; the old holder learns it at its next
+    renewal; a second job is refused naming the holder."""
+    from fastckpt import WriterLockedError
+    from fastckpt.lease import WriterLease
+    stores = [_storage(s3, proxy, "lease") for _ in range(4)]
+    leases = [WriterLease(st, ttl_s=3, renew_s=1) for st in stores]
+    assert all(lease._cond for lease in leases)
+    won, lost = [], []
+
+    def take(lease):
+        try:
+            won.append(lease.acquire())
+        except WriterLockedError as e:
+            lost.append(e)
+    threads = [threading.Thread(target=take, args=(lease,)) for lease in leases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1 and len(lost) == 3, (won, lost)
+    holder = won[0]
+    assert all("another job" in str(e) for e in lost)
+    holder._stop.set()  # the holder stops renewing (a stopped process): its lease expires
+    holder._thread.join()
+    time.sleep(3.2)
+    taker = WriterLease(_storage(s3, proxy, "lease"), ttl_s=30, renew_s=10).acquire()
+    caplog.clear()
+    holder._stop.clear()
+    holder.renew()  # over its own last version: refused, and said
+    assert any("was taken over" in r.getMessage() for r in caplog.records)
+    rec = json.loads(s3.fs.cat_file(s3.path("lease", ".writer.json")))
+    assert rec["owner"] == taker.owner
+    with pytest.raises(WriterLockedError, match="another job"):
+        WriterLease(_storage(s3, proxy, "lease"), ttl_s=30, renew_s=10, wait_s=0.5).acquire()
+    taker.release()
+    assert not s3.fs.exists(s3.path("lease", ".writer.json"))

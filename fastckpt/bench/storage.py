@@ -253,7 +253,7 @@ def run_rank(cfg: dict, rank: int, world: int, emit: Emit) -> dict:
             from ..checkpointer import Checkpointer
             from ..manifest import schema as fmt
             fdir = join(work, "fastckpt")
-            ck = stack.enter_context(Checkpointer(fdir))
+            ck = stack.enter_context(Checkpointer(fdir, compression=cfg.get("compression")))
             steps = [0]
 
             def fastckpt_turn(rep: int | None) -> None:
@@ -537,12 +537,13 @@ def run_bench(target: str, size: int, *, ranks: int = 1,
               contenders: tuple[str, ...] = CONTENDERS, reps: int = DEFAULT_REPS,
               warmup: bool = True, layers: int = DEFAULT_LAYERS, keep_files: bool = False,
               create: bool = False, emit: Emit | None = None, timeout: float = 24 * 3600.0,
-              seed: int = 0, raw: str = "auto") -> dict:
+              seed: int = 0, raw: str = "auto", compression: str | None = None) -> dict:
     """Run the benchmark; return the raw measurements (see :func:`summarize`).
 
     ``emit(event)`` receives {"event": "start"|"end", "phase", "seconds", "bytes", "rep",
     "reps"} from rank 0 (``rep`` None: the warm-up round). ``raw``: how the raw limit is
-    measured (:data:`RAW_MODES`, :func:`raw_source`). Raises FileNotFoundError (a local
+    measured (:data:`RAW_MODES`, :func:`raw_source`); ``compression``: fastckpt's setting
+    (None, "zstd", "auto"). Raises FileNotFoundError (a local
     ``target`` is missing and not ``create``), BenchError (a rank or a loader failed; raw=fio
     where fio cannot run) or StorageError (the target cannot be written).
     """
@@ -564,7 +565,7 @@ def run_bench(target: str, size: int, *, ranks: int = 1,
     ws.makedirs(ws.root)
     cfg = {"work": work, "size": int(size), "ranks": int(ranks), "contenders": list(contenders),
            "reps": int(reps), "warmup": bool(warmup), "layers": int(layers), "seed": seed,
-           "timeout": float(timeout), "raw": None}
+           "timeout": float(timeout), "raw": None, "compression": compression}
     t0 = time.time()
     try:
         if "raw" in contenders:

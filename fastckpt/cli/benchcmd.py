@@ -54,11 +54,15 @@ from .base import (EXIT_CODES_HELP, EXIT_OK, EXIT_PROBLEM, EXIT_STORAGE, EXIT_US
               "missing TARGET is an error).")
 @click.option("--keep-files", is_flag=True, help="Leave the benchmark's files under TARGET.")
 @click.option("--force", is_flag=True, help="Run even if memory or disk looks too small.")
+@click.option("--compression", type=click.Choice(["none", "zstd", "auto"]), default="none",
+              show_default=True, help="fastckpt's compression setting for its saves (the "
+              "synthetic state is random-initialised: weights of a trained model compress "
+              "more, see docs/benchmarks.md).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def bench(target: str, size: int, ranks: int, reps: int, warmup: bool, state_size: int | None,
           step_drain: float, barrier: float, safety: float, safety_min: float, contenders: str,
           raw_mode: str, report: str | None, png: str | None, out: str | None, no_record: bool,
-          create: bool, keep_files: bool, force: bool, as_json: bool) -> int:
+          create: bool, keep_files: bool, force: bool, compression: str, as_json: bool) -> int:
     """Benchmark checkpoint I/O on TARGET (a path or URL) and size the preemption window.
 
     Measures the raw write/read limit (fio on a local TARGET when installed, else fastckpt's

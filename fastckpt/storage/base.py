@@ -30,6 +30,11 @@ def storage_error(e: BaseException, what: str, path: str, *, offset: int | None 
     return err
 
 
+class ConditionFailed(StorageError):
+    """A conditional write found the object not as required (put-if-absent over an existing
+    object, If-Match over a changed one): someone else wrote it meanwhile."""
+
+
 class Storage(abc.ABC):
     """A checkpoint root. Paths passed to the methods are absolute within the backend.
 
@@ -116,6 +121,21 @@ class Storage(abc.ABC):
         """Whether ``path`` looks resident in the page cache (local files: probed without
         blocking); reads of cached data are faster through the cache than around it."""
         return False
+
+    def conditional_writes(self) -> bool:
+        """Whether :meth:`put_conditional` is available (object stores that honour
+        ``If-None-Match`` / ``If-Match``). This base: False."""
+        return False
+
+    def read_versioned(self, path: str) -> tuple[bytes, str] | None:
+        """(content, version tag) of a small object, None when missing (conditional stores)."""
+        raise NotImplementedError(f"{type(self).__name__} has no conditional writes")
+
+    def put_conditional(self, path: str, data: bytes, *, if_absent: bool = False,
+                        if_match: str | None = None) -> str:
+        """Put ``data`` only if no object is there (``if_absent``) or only over the version
+        ``if_match``; its new version tag. :class:`ConditionFailed` otherwise."""
+        raise NotImplementedError(f"{type(self).__name__} has no conditional writes")
 
     #: shard files one rank writes at once; object stores with concurrent parts raise it
     write_streams = 2

@@ -60,7 +60,12 @@ _CLEANUP_S = 10.0
 #: botocore settings fastckpt gives an s3 file system where ``config_kwargs`` does not set
 #: them (see the module docstring): one try per request, fastckpt retries
 S3_CONFIG_DEFAULTS = {"connect_timeout": 5, "read_timeout": 15,
-                      "retries": {"total_max_attempts": 1, "mode": "standard"}}
+                      "retries": {"total_max_attempts": 1, "mode": "standard"},
+                      # no CRC32 of every part on the event loop's thread (botocore >= 1.36
+                      # computes one by default; S3-compatible stores that predate it refuse
+                      # its trailers): fastckpt's own xxh3 checksums are checked on every load
+                      "request_checksum_calculation": "when_required",
+                      "response_checksum_validation": "when_required"}
 
 #: protocols whose "directories" are key prefixes: makedirs is a no-op there (s3fs would
 #: otherwise probe, and try to create, the bucket on every call)

@@ -59,12 +59,16 @@ import uuid
 from typing import Sequence
 
 from ..errors import StorageError
-from .base import storage_error
+from .base import ConditionFailed, storage_error
 from .fsspec_backend import FsspecStorage
 from .s3call import (CONCURRENCY, MAX_ATTEMPTS, MAX_PARTS, MIN_PART, PART_BYTES, S3Calls,
                      S3RequestError, _all, _Limit, _ShortRead)
 
 log = logging.getLogger("fastckpt")
+
+#: (endpoint, bucket) -> whether it honours conditional writes, probed once per process
+_COND: dict = {}
+_COND_LOCK = threading.Lock()
 
 __all__ = ["S3Storage", "S3RequestError", "PART_BYTES", "CONCURRENCY", "MAX_ATTEMPTS"]
 
@@ -92,6 +96,10 @@ class S3Storage(S3Calls, FsspecStorage):
         if conditional not in ("auto", "require", "off"):
             raise ValueError(f"conditional must be 'auto', 'require' or 'off', got "
                              f"{conditional!r}")
+        # botocore keeps 10 connections per client unless told: as many as requests in flight
+        config = dict(storage_options.get("config_kwargs") or {})
+        config.setdefault("max_pool_connections", concurrency)
+        storage_options = {**storage_options, "config_kwargs": config}
         super().__init__(url, io_mode=io_mode, storage_options=storage_options,
                          op_timeout_s=op_timeout_s)
         if not self._s3:
@@ -104,8 +112,6 @@ class S3Storage(S3Calls, FsspecStorage):
         #: shared by every view: requests sent, retries, throttling answers, bytes moved
         self.stats = {"requests": 0, "retries": 0, "throttled": 0, "bytes_up": 0,
                       "bytes_down": 0}
-        #: whether the store honours If-None-Match / If-Match (None: not probed yet)
-        self._conditional_ok: list[bool | None] = [None]
 
     #: shard files a writer thread of one rank uploads at once (their parts share the limit)
     @property
@@ -179,43 +185,85 @@ class S3Storage(S3Calls, FsspecStorage):
 
     # -- the commit ----------------------------------------------------------------------------
     def conditional_writes(self) -> bool:
-        """Whether the store honours ``If-None-Match: *`` (probed once: a probe object is put
-        twice; the second PUT must be refused with 412)."""
+        """Whether the store honours ``If-None-Match: *`` (probed once per endpoint and bucket
+        in a process: a probe object is put twice, the second PUT must be refused with 412;
+        the probe also shows the root is writable, see :meth:`check_writable`)."""
         if self.conditional == "off":
             return False
-        if self._conditional_ok[0] is None:
-            probe = self.join(f".fastckpt-cond-probe-{uuid.uuid4().hex[:12]}")
-            ok, why = True, ""
+        key = (str(self.fs.client_kwargs.get("endpoint_url")), self._split(self.root)[0])
+        with _COND_LOCK:
+            known = _COND.get(key)
+        if known is None:
+            known, why = self._probe()
+            with _COND_LOCK:
+                _COND[key] = known
+            if not known:
+                log.warning("fastckpt: %s does not honour conditional writes (%s): manifests "
+                            "and the writer lease are put unconditionally", self.display(
+                                self.root), why)
+        if not known and self.conditional == "require":
+            raise StorageError("the store does not honour conditional writes; "
+                               "conditional='require'", file=self.display(self.root))
+        return known
+
+    def _probe(self) -> tuple[bool, str]:
+        probe = self.join(f".fastckpt-cond-probe-{uuid.uuid4().hex[:12]}")
+        try:
             try:
                 self._op("put_object", probe, body=memoryview(b"1"), IfNoneMatch="*",
-                         what="probing conditional writes")
-                try:
-                    self._op("put_object", probe, body=memoryview(b"2"), IfNoneMatch="*",
-                             what="probing conditional writes")
-                    ok, why = False, "it overwrote an object that If-None-Match: * protected"
-                except StorageError as e:
-                    cause = e.__cause__
-                    if not (isinstance(cause, S3RequestError) and cause.status == 412):
-                        ok, why = False, f"it answered {e}"
+                         what="probing the root (a conditional write)")
             except StorageError as e:
                 cause = e.__cause__
-                if not (isinstance(cause, S3RequestError) and cause.status in (400, 501)):
-                    raise
-                ok, why = False, f"it refused the condition: {e}"
-            finally:
-                try:
-                    self.remove(probe)
-                except StorageError:
-                    pass
-            if not ok:
-                if self.conditional == "require":
-                    raise StorageError(f"the store does not honour conditional writes ({why}); "
-                                       "conditional='require'", file=self.display(self.root))
-                log.warning("fastckpt: %s does not honour conditional writes (%s): manifests "
-                            "are put unconditionally; the writer lease alone keeps a second "
-                            "writer out", self.display(self.root), why)
-            self._conditional_ok[0] = ok
-        return bool(self._conditional_ok[0])
+                if isinstance(cause, S3RequestError) and cause.status in (400, 501):
+                    # refused the condition: a plain write shows the root is writable
+                    self._op("put_object", probe, body=memoryview(b"1"), what="writing a probe")
+                    return False, f"it refused the condition: {cause}"
+                raise
+            try:
+                self._op("put_object", probe, body=memoryview(b"2"), IfNoneMatch="*",
+                         what="probing conditional writes")
+                return False, "it overwrote an object that If-None-Match: * protected"
+            except StorageError as e:
+                cause = e.__cause__
+                if isinstance(cause, S3RequestError) and cause.status == 412:
+                    return True, ""
+                return False, f"it answered {e}"
+        finally:
+            try:
+                self.remove(probe)
+            except StorageError:
+                pass
+
+    def check_writable(self) -> None:
+        """The root can be written (and, unless ``conditional="off"``, whether conditions are
+        honoured: one probe does both, once per process)."""
+        if self.conditional == "off":
+            return super().check_writable()
+        key = (str(self.fs.client_kwargs.get("endpoint_url")), self._split(self.root)[0])
+        with _COND_LOCK:
+            probed = key in _COND
+        if probed:
+            return super().check_writable()
+        self.conditional_writes()
+
+    def read_versioned(self, path: str) -> tuple[bytes, str] | None:
+        out = self._op("get_object", path, what="reading", whole=True, missing_ok=True)
+        return None if out is None else (out["Body"], out["ETag"])
+
+    def put_conditional(self, path: str, data: bytes, *, if_absent: bool = False,
+                        if_match: str | None = None) -> str:
+        kw = {"IfNoneMatch": "*"} if if_absent else {"IfMatch": if_match}
+        try:
+            out = self._op("put_object", path, nbytes=len(data), body=memoryview(bytes(data)),
+                           what="publishing", **kw)
+        except StorageError as e:
+            cause = e.__cause__
+            if isinstance(cause, S3RequestError) and (cause.status == 412 or (
+                    if_match and cause.code in ("NoSuchKey", "404"))):
+                raise ConditionFailed(f"{'an object is there' if if_absent else 'the object changed'}"
+                                      " (someone else wrote it)", file=self.display(path)) from e
+            raise
+        return out["ETag"]
 
     def publish_manifest(self, path: str, data: bytes) -> None:
         """The commit point: put ``data`` at ``path`` only if no manifest is there, or over the
