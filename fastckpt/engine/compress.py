@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -38,6 +39,8 @@ from ..storage.native import aligned_buffer
 
 log = logging.getLogger("fastckpt")
 
+#: "auto" tries compression again every this many saves while it is off for being slower
+RETRY_EVERY = 10
 #: chunks at least this large are encoded block-parallel; smaller ones one per pool thread
 _PARALLEL_MIN = 2 * codec.DEFAULT_BLOCK
 _FLOATS = {torch.float32, torch.float16, torch.bfloat16, torch.float64}
@@ -64,8 +67,15 @@ class Compression:
         self.threads = threads or default_threads()
         self.native = native
         self._pool: ThreadPoolExecutor | None = None
+        self._outs: list = []  # output buffers, reused by later pieces (warm pages)
+        self._outs_lock = threading.Lock()
         #: (stored bytes, write seconds) of this rank's last saves: the target's bandwidth
         self.samples: list[tuple[int, float]] = []
+        #: raw bytes per second of the write phase of this rank's last saves, by mode
+        self.rates: dict[bool, list[float]] = {False: [], True: []}
+        #: with a remote tier the rates run to the remote commit (the upload is the target)
+        self.tiered = False
+        self._saves = 0
         #: the last decision: {"compress", "why", ...}, for logs, events and benchmarks
         self.last: dict = {}
 
@@ -79,6 +89,27 @@ class Compression:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        self._outs.clear()
+
+    def _out(self, n: int) -> memoryview:
+        with self._outs_lock:
+            for i, b in enumerate(self._outs):
+                if len(b) >= n:
+                    return self._outs.pop(i)
+        return aligned_buffer(fmt.align_up(n, 1 << 20))
+
+    def release(self, buf: memoryview) -> None:
+        """(writer thread) An output buffer written: kept for the next piece (at most 4)."""
+        with self._outs_lock:
+            if len(self._outs) < 4:
+                self._outs.append(buf)
+
+    def record_rate(self, compressed: bool, raw_bytes: int, write_s: float) -> None:
+        """(writer thread) The write phase of a committed save: raw bytes per second."""
+        if raw_bytes > 0 and write_s > 0:
+            r = self.rates[compressed]
+            r.append(raw_bytes / write_s)
+            del r[:-3]
 
     def record(self, stored_bytes: int, write_s: float) -> None:
         if stored_bytes > 0 and write_s > 0:
@@ -116,19 +147,32 @@ class Compression:
             return False
         view, width = sample
         m = codec.measure(view, width, self.level, native=self.native)
-        on = codec.should_compress(m, write_bytes_per_s=target, threads=self.threads)
-        self.last = {"compress": on, "ratio": round(m["ratio"], 3),
-                     "encode_mibps_per_core": round(m["bytes_per_s"] / (1 << 20), 1),
-                     "threads": self.threads, "target_mibps": round(target / (1 << 20), 1),
-                     "why": ("the encoders outrun the target" if on else
-                             "the target is faster than the encoders" if m["ratio"] >= 1.05
-                             else "the data hardly compresses")}
+        self._saves += 1
+        nums = {"ratio": round(m["ratio"], 3), "threads": self.threads,
+                "encode_mibps_per_core": round(m["bytes_per_s"] / (1 << 20), 1),
+                "target_mibps": round(target / (1 << 20), 1)}
+        plain, comp = _median(self.rates[False]), _median(self.rates[True])
+        if plain is not None:
+            nums["plain_mibps"] = round(plain / (1 << 20), 1)
+        if comp is not None:
+            nums["compressed_mibps"] = round(comp / (1 << 20), 1)
+        if not codec.should_compress(m, write_bytes_per_s=target, threads=self.threads):
+            on, why = False, ("the target is faster than the encoders" if m["ratio"] >= 1.05
+                              else "the data hardly compresses")
+        elif comp is None or self._saves % RETRY_EVERY == 0:
+            on, why = True, ("trying compression: the codec's measurement says it may outrun "
+                             "the target" if comp is None else "trying compression again")
+        elif plain is None or comp > plain:
+            on, why = True, "compressed saves were faster"
+        else:
+            on, why = False, "compressed saves were slower"
+        self.last = {"compress": on, "why": why, **nums}
         return on
 
     def encode_piece(self, piece: Any, buf: memoryview) -> tuple[memoryview, int, list]:
         """(writer thread) Step 2: (output buffer, file size, [(slot, offset, stored length,
         desc)]) for a staged piece."""
-        out = aligned_buffer(max(piece.size + 4096, 4096))  # a frame adds a few bytes at most
+        out = self._out(max(piece.size + 4096, 4096))  # a frame adds a few bytes at most
         pos = 0
         entries: list = []
         small: list = []
@@ -148,7 +192,7 @@ class Compression:
             pos = fmt.align_up(pos, fmt.SMALL_ALIGN)
             need = pos + enc.nbytes
             if need > len(out):  # incompressible data with frame headers: grow
-                bigger = aligned_buffer(fmt.align_up(need * 2, 4096))
+                bigger = self._out(need * 2)
                 bigger[:pos] = out[:pos]
                 out = bigger
             start = pos
@@ -167,6 +211,10 @@ class _done:
 
     def result(self) -> Any:
         return self.value
+
+
+def _median(xs: list) -> float | None:
+    return sorted(xs)[len(xs) // 2] if xs else None
 
 
 def _sample(data: dict) -> tuple[memoryview, int] | None:

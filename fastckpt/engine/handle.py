@@ -20,7 +20,8 @@ class SaveHandle:
         self._done = threading.Event()
         self._exc: BaseException | None = None
         self._reported = False
-        self.bytes_written = 0
+        self.bytes_written = 0  # stored (compressed) bytes
+        self.raw_bytes = 0
         self.timings: dict[str, float] = {}
         #: (step, error) of an earlier save that failed unobserved, set by an emergency save
         #: (which does not raise it)

@@ -172,11 +172,12 @@ class Writer:
                 files.sort(key=lambda f: f["piece"])
                 st.sync_dir(d)  # the files' entries, once for all of them
                 job.my_files = files
-                if self.compression is not None and not job.compress:
-                    # the target's bandwidth, for "auto" (an encoding save measures the
-                    # encoders too, so only the plain ones count)
-                    self.compression.record(sum(f["size"] for f in files),
-                                            time.perf_counter() - t0)
+                if self.compression is not None:  # for "auto" (engine/compress.py)
+                    secs = time.perf_counter() - t0
+                    if not job.compress:  # the target's bandwidth: plain saves only
+                        self.compression.record(sum(f["size"] for f in files), secs)
+                    if not self.compression.tiered:  # (tiered: measured up to the upload)
+                        self.compression.record_rate(job.compress, plan.file_size, secs)
             finally:
                 # after a failure, take the pieces still coming so a capped pool never leaves
                 # the training thread waiting for a buffer (the executor has finished by now:
@@ -226,6 +227,7 @@ class Writer:
         if self.rank == 0:
             self._housekeep(job)
         job.handle.bytes_written = sum(f["size"] for f in job.my_files) or plan.file_size
+        job.handle.raw_bytes = plan.file_size
         job.handle.timings["write_s"] = t1 - t0
         job.handle.timings["total_s"] = time.perf_counter() - job.t0
         for cb in self.on_saved:
@@ -287,8 +289,11 @@ class Writer:
                 out, size, entries = self.compression.encode_piece(piece, buf)
             finally:
                 self.pool.release(buf)
-            hashes = st.write_shard(path, out, size, [(o, n) for _, o, n, _ in entries],
-                                    sync_dir=False)
+            try:
+                hashes = st.write_shard(path, out, size, [(o, n) for _, o, n, _ in entries],
+                                        sync_dir=False)
+            finally:
+                self.compression.release(out)
             chunks = [{"fqn": sl.spec.fqn, "offsets": list(sl.spec.offsets),
                        "sizes": list(sl.spec.sizes), "offset": o, "length": n,
                        "checksum": fmt.hexdigest(h), "codec": desc}
