@@ -14,7 +14,8 @@ cfg keys: root, out, tag, total, step_s, grace_s, save_every, mib (padding per r
 save_steps, throttle_mibps, throttle_after_periodic,
 fault_after_periodic ("point@rank" armed after the first periodic save),
 slow_resume_s, long_step ({rank: [step, seconds]}), consensus, cancel_signals,
-staging_cap_mib, remote ({"url", "options", "local_survives"}: a remote tier).
+staging_cap_mib, remote ({"url", "options", "local_survives"}: a remote tier), root_options
+(storage options of an object-store root), event_log.
 """
 
 from __future__ import annotations
@@ -89,7 +90,11 @@ def train(rank: int, world: int, cfg: dict) -> None:
         kw.update(remote=cfg["remote"]["url"], remote_storage_options=cfg["remote"]["options"],
                   local_survives=cfg["remote"].get("local_survives", False))
     from fastckpt.testing import faults
-    storage = faults.open_faulty(cfg["root"], rank=rank, throttle_mibps=cfg.get("throttle_mibps"))
+    if cfg.get("event_log"):
+        kw["event_log"] = cfg["event_log"]
+    storage = faults.open_faulty(cfg["root"], rank=rank, throttle_mibps=cfg.get("throttle_mibps"),
+                                 **({"storage_options": cfg["root_options"]}
+                                    if cfg.get("root_options") else {}))
     ck = fastckpt.Checkpointer(storage, **kw)
     start = ck.resume(state)
     with open(os.path.join(out, f"resumed-{tag}-r{rank}"), "w") as f:

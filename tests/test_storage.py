@@ -229,6 +229,36 @@ class StorageContract:
         assert bad.root.lstrip("/") in str(ei.value)
 
     # -- publish ------------------------------------------------------------------------------
+    def test_publish_manifest_commits_and_replaces(self, st):
+        """The commit point: a first manifest, the same bytes again (a retried commit), a
+        re-save's manifest over it; conditional where the backend can (s3)."""
+        st.makedirs(st.join("s"))
+        p = st.join("s", "manifest.json")
+        st.publish_manifest(p, b'{"a": 1}')
+        st.publish_manifest(p, b'{"a": 1}')
+        st.publish_manifest(p, b'{"a": 2}')
+        assert st.read_bytes(p) == b'{"a": 2}'
+        assert st.listdir(st.join("s")) == ["manifest.json"]
+
+    def test_conditional_writes_where_offered(self, st):
+        """put-if-absent and If-Match: exactly the writes whose condition holds land."""
+        from fastckpt.storage.base import ConditionFailed
+        if not st.conditional_writes():
+            with pytest.raises(NotImplementedError):
+                st.put_conditional(st.join("c"), b"1", if_absent=True)
+            return
+        p = st.join("c")
+        v1 = st.put_conditional(p, b"1", if_absent=True)
+        with pytest.raises(ConditionFailed):
+            st.put_conditional(p, b"x", if_absent=True)
+        data, tag = st.read_versioned(p)
+        assert data == b"1" and tag == v1
+        v2 = st.put_conditional(p, b"2", if_match=v1)
+        with pytest.raises(ConditionFailed):
+            st.put_conditional(p, b"3", if_match=v1)  # a stale version
+        assert st.read_versioned(p) == (b"2", v2)
+        assert st.read_versioned(st.join("missing")) is None
+
     def test_publish_creates_then_overwrites(self, st):
         st.makedirs(st.join("m"))
         p = st.join("m", "manifest.json")

@@ -87,3 +87,32 @@ def test_a_store_too_slow_for_the_window_is_skipped_in_time(tmp_path, s3):
         assert not [e for e in evs if e["event"] == "upload_start"]
         assert _one(evs, "exit")["t"] - t_sig < 6.0
     assert _remote_steps(s3, "slow") == [2]
+
+
+def test_a_direct_s3_root_budgets_with_its_measured_bandwidth(tmp_path, s3):
+    """No tier: the root itself is on the (slow) store. The periodic save measured it; the
+    stop's save does not fit the window at that bandwidth: skip, in time."""
+    import json as _json
+    events = str(tmp_path / "events")
+    with ThrottleProxy(s3.server.port, rate_bps=1 * MiB) as proxy:
+        cfg = _cfg(tmp_path, "direct", total=2000, save_steps=[2], mib=4, grace_s=6.0,
+                   event_log=events)
+        cfg["root"] = s3.url("direct")
+        cfg["root_options"] = _opts(s3, proxy.endpoint)
+        procs = launch(2, cfg)
+        t0 = time.monotonic()
+        while 2 not in _remote_steps(s3, "direct"):
+            assert time.monotonic() - t0 < 90 and all(p.exitcode is None for p in procs)
+            time.sleep(0.1)
+        time.sleep(0.5)
+        t_sig = time.time()
+        os.kill(procs[1].pid, signal.SIGTERM)
+        assert _wait(procs, timeout=60) == [preempt.EXIT_PREEMPTED] * 2
+    for r in range(2):
+        with open(os.path.join(events, f"rank{r:05d}.jsonl")) as f:
+            evs = [_json.loads(line) for line in f if line.strip()]
+        est = _one(evs, "estimate")
+        assert est["source"].startswith("measured") and est["write_mibps"] < 8, est
+        assert _one(evs, "decision")["decision"] == "skip"
+        assert _one(evs, "exit")["t"] - t_sig < 6.0
+    assert _remote_steps(s3, "direct") == [2]

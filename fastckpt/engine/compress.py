@@ -4,13 +4,18 @@ float bytes grouped) into the piece's compressed file.
 
 Call sequence (who makes each call):
 
-1. (training thread, each save) ``Compression.decide(data)``: "zstd" compresses; "auto" measures
-   the codec on a few MiB of the state's largest float tensor (``codec.measure``, ~6 ms) and
-   compresses only where ``threads`` cores encode faster than the target writes: the target's
-   bandwidth is what this rank measured on its last uncompressed saves (bytes per second of
-   write; with a remote tier, the slower of the local write and the upload), else
-   ``fastckpt bench``'s record, else (the first save) not compressed, and measured. Each rank decides for itself:
-   the manifest records the codec per chunk, so ranks need not agree.
+1. (training thread, each save) ``Compression.decide(data)``: "zstd" compresses; "auto"
+   predicts, per raw byte of a piece, which is written sooner. A writer stream writes a piece
+   plain in 1/w, compressed in 1/e + 1/(r w) (each piece is encoded, then written; two pieces
+   are in flight at once, so both sides pay the same overlap): w is this rank's measured
+   bytes per second of one shard write (its last writes, plain or compressed; before any,
+   ``fastckpt bench``'s record; the very first save is plain, and measured), e and r the
+   encoders' speed and ratio on this rank's last compressed pieces (before any, the codec's
+   measurement on a few MiB of the state, ``codec.measure``, on one core). With a remote tier
+   the upload adds 1/u plain, 1/(r u) compressed (u: the measured upload bandwidth). It
+   compresses when that is at least 5% sooner and the ratio is at least 1.05. Every
+   compressed save measures e, r and w again, so a wrong first guess costs one save. Each
+   rank decides for itself: the manifest records the codec per chunk.
 2. (writer thread, per piece) ``encode_piece``: the piece's staged bytes (laid out as the
    uncompressed file) are encoded chunk by chunk into a page-aligned output buffer, each
    compressed chunk at a multiple of 64 bytes (zero padding between, as in any shard); the
@@ -39,8 +44,10 @@ from ..storage.native import aligned_buffer
 
 log = logging.getLogger("fastckpt")
 
-#: "auto" tries compression again every this many saves while it is off for being slower
-RETRY_EVERY = 10
+#: "auto" compresses only when a compressed piece is predicted at least 5% sooner
+MARGIN = 0.95
+#: ... and the data compresses by at least this much
+MIN_RATIO = 1.05
 #: chunks at least this large are encoded block-parallel; smaller ones one per pool thread
 _PARALLEL_MIN = 2 * codec.DEFAULT_BLOCK
 _FLOATS = {torch.float32, torch.float16, torch.bfloat16, torch.float64}
@@ -69,13 +76,12 @@ class Compression:
         self._pool: ThreadPoolExecutor | None = None
         self._outs: list = []  # output buffers, reused by later pieces (warm pages)
         self._outs_lock = threading.Lock()
-        #: (stored bytes, write seconds) of this rank's last saves: the target's bandwidth
-        self.samples: list[tuple[int, float]] = []
-        #: raw bytes per second of the write phase of this rank's last saves, by mode
-        self.rates: dict[bool, list[float]] = {False: [], True: []}
-        #: with a remote tier the rates run to the remote commit (the upload is the target)
-        self.tiered = False
-        self._saves = 0
+        #: (stored bytes, seconds) of this rank's last shard writes, one per piece (the
+        #: write alone, plain or compressed): the target's bandwidth per write stream
+        self.writes: list[tuple[int, float]] = []
+        #: (raw bytes, seconds, stored bytes) of this rank's last piece encodings: the encoders'
+        #: real speed (the pool, the copies, the cores' other work) and ratio
+        self.encodes: list[tuple[int, float, int]] = []
         #: the last decision: {"compress", "why", ...}, for logs, events and benchmarks
         self.last: dict = {}
 
@@ -104,28 +110,48 @@ class Compression:
             if len(self._outs) < 4:
                 self._outs.append(buf)
 
-    def record_rate(self, compressed: bool, raw_bytes: int, write_s: float) -> None:
-        """(writer thread) The write phase of a committed save: raw bytes per second."""
-        if raw_bytes > 0 and write_s > 0:
-            r = self.rates[compressed]
-            r.append(raw_bytes / write_s)
-            del r[:-3]
+    def record_write(self, stored_bytes: int, seconds: float) -> None:
+        """(writer thread) One shard file written (its write alone)."""
+        if stored_bytes > 0 and seconds > 0:
+            with self._outs_lock:
+                self.writes.append((stored_bytes, seconds))
+                del self.writes[:-16]
 
-    def record(self, stored_bytes: int, write_s: float) -> None:
-        if stored_bytes > 0 and write_s > 0:
-            self.samples.append((stored_bytes, write_s))
-            del self.samples[:-5]
+    def record_encode(self, raw_bytes: int, seconds: float, stored_bytes: int) -> None:
+        """(writer thread) One piece encoded."""
+        if raw_bytes > 0 and seconds > 0:
+            with self._outs_lock:
+                self.encodes.append((raw_bytes, seconds, stored_bytes))
+                del self.encodes[:-16]
 
-    def target_bps(self, record_bps: float | None, upload_bps: float | None) -> float | None:
-        """The bandwidth compression competes with (see the module docstring, step 1)."""
-        bps = None
-        if self.samples:
-            bps = sum(b for b, _ in self.samples) / sum(t for _, t in self.samples)
-        elif record_bps:
-            bps = record_bps
-        if upload_bps:
-            bps = upload_bps if bps is None else min(bps, upload_bps)
-        return bps
+    def write_bps(self, record_bps: float | None) -> float | None:
+        """Bytes per second one write stream moves to the target: the last writes, else
+        ``fastckpt bench``'s record, else None."""
+        with self._outs_lock:
+            w = list(self.writes)
+        if w:
+            return sum(b for b, _ in w) / sum(t for _, t in w)
+        return record_bps
+
+    def predict(self, m: dict, w: float, upload_bps: float | None) -> tuple[float, float, dict]:
+        """Seconds per raw byte of a piece, plain and compressed (see the module docstring):
+        plain 1/w (+ 1/u with a remote tier), compressed 1/e + 1/(r w) (+ 1/(r u)), where e
+        and r are the encoders' speed and ratio on real pieces (before any, the codec's
+        measurement on one core), w the write stream's, u the upload's."""
+        with self._outs_lock:
+            enc = list(self.encodes)
+        if enc:
+            e = sum(x[0] for x in enc) / sum(x[1] for x in enc)
+            r = sum(x[0] for x in enc) / max(1, sum(x[2] for x in enc))
+            how = "measured on real pieces"
+        else:
+            e, r, how = m["bytes_per_s"], m["ratio"], "the codec's measurement, one core"
+        plain = 1 / w + (1 / upload_bps if upload_bps else 0.0)
+        comp = 1 / e + (1 / w + (1 / upload_bps if upload_bps else 0.0)) / r
+        return plain, comp, {"encode_mibps": round(e / (1 << 20), 1), "ratio": round(r, 3),
+                             "encoders": how, "write_mibps": round(w / (1 << 20), 1),
+                             "upload_mibps": round(upload_bps / (1 << 20), 1)
+                             if upload_bps else None}
 
     def decide(self, data: dict, *, record_bps: float | None = None,
                upload_bps: float | None = None) -> bool:
@@ -140,32 +166,22 @@ class Compression:
         if sample is None:
             self.last = {"compress": False, "why": "no float tensor to measure"}
             return False
-        target = self.target_bps(record_bps, upload_bps)
-        if target is None:
+        w = self.write_bps(record_bps)
+        if w is None:
             self.last = {"compress": False, "why": "the target's bandwidth is not measured "
                          "yet (first save)"}
             return False
         view, width = sample
         m = codec.measure(view, width, self.level, native=self.native)
-        self._saves += 1
-        nums = {"ratio": round(m["ratio"], 3), "threads": self.threads,
-                "encode_mibps_per_core": round(m["bytes_per_s"] / (1 << 20), 1),
-                "target_mibps": round(target / (1 << 20), 1)}
-        plain, comp = _median(self.rates[False]), _median(self.rates[True])
-        if plain is not None:
-            nums["plain_mibps"] = round(plain / (1 << 20), 1)
-        if comp is not None:
-            nums["compressed_mibps"] = round(comp / (1 << 20), 1)
-        if not codec.should_compress(m, write_bytes_per_s=target, threads=self.threads):
-            on, why = False, ("the target is faster than the encoders" if m["ratio"] >= 1.05
-                              else "the data hardly compresses")
-        elif comp is None or self._saves % RETRY_EVERY == 0:
-            on, why = True, ("trying compression: the codec's measurement says it may outrun "
-                             "the target" if comp is None else "trying compression again")
-        elif plain is None or comp > plain:
-            on, why = True, "compressed saves were faster"
+        plain, comp, nums = self.predict(m, w, upload_bps)
+        nums["plain_s_per_gib"] = round(plain * (1 << 30), 3)
+        nums["compressed_s_per_gib"] = round(comp * (1 << 30), 3)
+        if m["ratio"] < MIN_RATIO:
+            on, why = False, "the data hardly compresses"
+        elif comp < MARGIN * plain:
+            on, why = True, "a compressed piece is written sooner"
         else:
-            on, why = False, "compressed saves were slower"
+            on, why = False, "a plain piece is written sooner"
         self.last = {"compress": on, "why": why, **nums}
         return on
 
@@ -211,10 +227,6 @@ class _done:
 
     def result(self) -> Any:
         return self.value
-
-
-def _median(xs: list) -> float | None:
-    return sorted(xs)[len(xs) // 2] if xs else None
 
 
 def _sample(data: dict) -> tuple[memoryview, int] | None:

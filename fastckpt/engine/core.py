@@ -109,7 +109,6 @@ class Engine:
                                         threads=self.options.compression_threads,
                                         native=self.options.native)
         self._writer.compression = self._compression
-        self._compression.tiered = self._tier is not None
         ref = weakref.ref(self)
         self._atexit = lambda: (ref() and ref().close())  # type: ignore[union-attr]
         atexit.register(self._atexit)

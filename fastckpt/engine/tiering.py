@@ -347,11 +347,7 @@ class Tier:
             raise
         if nbytes and secs > 0:
             self.samples.append((nbytes, secs))
-            comp = getattr(self.engine, "_compression", None)
-            raw = getattr(up.handle, "raw_bytes", 0)
-            if comp is not None and raw and up.deadline is None:  # "auto": to the remote commit
-                comp.record_rate(bool(getattr(up.handle, "compression", {}).get("compress")),
-                                 raw, up.handle.timings.get("write_s", 0.0) + secs)
+
         if self.rank == 0:
             self._housekeep(up, d)
         log.info("fastckpt: rank %d: step %d committed on the remote tier %s (%.2f s)",

@@ -172,12 +172,6 @@ class Writer:
                 files.sort(key=lambda f: f["piece"])
                 st.sync_dir(d)  # the files' entries, once for all of them
                 job.my_files = files
-                if self.compression is not None:  # for "auto" (engine/compress.py)
-                    secs = time.perf_counter() - t0
-                    if not job.compress:  # the target's bandwidth: plain saves only
-                        self.compression.record(sum(f["size"] for f in files), secs)
-                    if not self.compression.tiered:  # (tiered: measured up to the upload)
-                        self.compression.record_rate(job.compress, plan.file_size, secs)
             finally:
                 # after a failure, take the pieces still coming so a capped pool never leaves
                 # the training thread waiting for a buffer (the executor has finished by now:
@@ -285,20 +279,25 @@ class Writer:
         gathered = isinstance(buf, Gathered)
         ranges = [(s.offset, s.spec.nbytes) for s in piece.slots]
         if compress and not gathered:  # encoded, then written; checksums of the stored bytes
+            t_enc = time.perf_counter()
             try:
                 out, size, entries = self.compression.encode_piece(piece, buf)
             finally:
                 self.pool.release(buf)
+            t_write = time.perf_counter()
+            self.compression.record_encode(piece.size, t_write - t_enc, size)
             try:
                 hashes = st.write_shard(path, out, size, [(o, n) for _, o, n, _ in entries],
                                         sync_dir=False)
             finally:
                 self.compression.release(out)
+            self.compression.record_write(size, time.perf_counter() - t_write)
             chunks = [{"fqn": sl.spec.fqn, "offsets": list(sl.spec.offsets),
                        "sizes": list(sl.spec.sizes), "offset": o, "length": n,
                        "checksum": fmt.hexdigest(h), "codec": desc}
                       for (sl, o, n, desc), h in zip(entries, hashes)]
             return {"file": name, "piece": piece.index, "size": size, "chunks": chunks}
+        t_write = time.perf_counter()
         if gathered:  # zero-copy: from the tensors' memory and a small bounce buffer
             hashes = st.write_gathered(path, piece.size, buf.segments, buf.hash_ranges)
         else:
@@ -307,6 +306,8 @@ class Writer:
                                         sync_dir=False)
             finally:
                 self.pool.release(buf)
+        if self.compression is not None:  # the target's bandwidth, for compression="auto"
+            self.compression.record_write(piece.size, time.perf_counter() - t_write)
         chunks = [{"fqn": s.spec.fqn, "offsets": list(s.spec.offsets),
                    "sizes": list(s.spec.sizes), "offset": s.offset, "length": s.spec.nbytes,
                    "checksum": fmt.hexdigest(h)} for s, h in zip(piece.slots, hashes)]
