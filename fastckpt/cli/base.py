@@ -285,6 +285,7 @@ def info(as_json: bool) -> int:
     name, why = _backend_line()
     opt = {}
     for mod, use in (("s3fs", "s3:// roots"), ("gcsfs", "gs:// roots"),
+                     ("zstandard", "compression"),
                      ("matplotlib", "bench PNG chart")):
         opt[mod] = {"installed": importlib.util.find_spec(mod) is not None, "for": use}
     import fsspec

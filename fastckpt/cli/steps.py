@@ -543,7 +543,8 @@ def inspect(root: str, step: int | None, chunks: bool, pattern: str | None, valu
             for c in x["chunks"]:
                 box = "+".join(_shape(v) for v in (c["offsets"], c["sizes"]))
                 _add_row(t, f"  chunk {box}", "", "", _hb(c["length"]),
-                          f"rank {c['rank']}, {c['file']} @ {c['offset']}")
+                          f"rank {c['rank']}, {c['file']} @ {c['offset']}"
+                          + (f" ({c['codec']})" if c.get("codec") else ""))
     _print_table(t)
     _echo(f"total tensor bytes: {_hb(total)}")
     if values and doc["plain_values"]:

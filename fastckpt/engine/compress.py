@@ -70,6 +70,14 @@ class Compression:
     def __init__(self, mode: str | None, *, level: int, threads: int | None,
                  native: str) -> None:
         self.mode = mode
+        self.unavailable: str | None = None
+        if mode is not None:
+            try:
+                codec._zstd()
+            except ImportError as e:
+                if mode == "zstd":
+                    raise
+                self.unavailable = str(e)  # "auto": off, and said why
         self.level = level
         self.threads = threads or default_threads()
         self.native = native
@@ -162,6 +170,9 @@ class Compression:
         if self.mode == "zstd":
             self.last = {"compress": True, "why": "compression='zstd'"}
             return True
+        if self.unavailable:
+            self.last = {"compress": False, "why": self.unavailable}
+            return False
         sample = _sample(data)
         if sample is None:
             self.last = {"compress": False, "why": "no float tensor to measure"}

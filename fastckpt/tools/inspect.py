@@ -103,7 +103,9 @@ def inspect_step(root: str | Storage, step: int | None = None, *,
             "sharding": _sharding(shape, chunks),
             "chunks": [{"rank": c.get("rank"), "file": c.get("file"), "offset": c.get("offset"),
                         "length": c.get("length"), "offsets": c.get("offsets"),
-                        "sizes": c.get("sizes"), "checksum": c.get("checksum")}
+                        "sizes": c.get("sizes"), "checksum": c.get("checksum"),
+                        "codec": (c["codec"].get("codec") if isinstance(c.get("codec"), dict)
+                                  else None)}
                        for c in chunks]})
     if "tree" in body:
         plain: Any = _plain_values(body["tree"])
