@@ -54,7 +54,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(HERE)
 sys.path.insert(0, REPO_ROOT)  # the working tree's fastckpt
 
-from fastckpt.bench import common as BC  # noqa: E402
+from fastckpt.bench import common as C  # noqa: E402
 from fastckpt.storage import codec  # noqa: E402
 from fastckpt.storage import native as _native  # noqa: E402
 
@@ -240,12 +240,6 @@ def bench_kernels(nbytes: int, reps: int) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------------------------
 
 
-def parse_size(s: str) -> int:
-    s = s.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
-    return int(float(s[:-1] if s[-1:] in "KMG" else s) * mult)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
@@ -266,10 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.levels = [int(x) for x in args.levels.split(",")]
     args.threads = [int(x) for x in args.threads.split(",")]
-    args.blocks = [parse_size(x) for x in args.blocks.split(",")]
+    args.blocks = [C.parse_size(x) for x in args.blocks.split(",")]
 
     import zstandard
-    started = BC.utc_now()
+    started = C.utc_now()
     print(f"training: {args.steps} steps ...", file=sys.stderr)
     fams, model = train(args)
     print(f"  {model['params']:,} parameters, {model['train_seconds']:.0f} s, loss "
@@ -321,9 +315,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {k['kernel']:7} width {k['width']}: group {k['group_gbps']:5.2f}  ungroup "
               f"{k['ungroup_gbps']:5.2f}  (GIL {'released' if k['releases_gil'] else 'held'})")
 
-    doc = {"benchmark": "compression", "started": started, "finished": BC.utc_now(),
-           "machine": BC.machine_info(), "git": BC.git_commit(),
-           "versions": {**BC.base_versions(), "zstandard": zstandard.__version__,
+    doc = {"benchmark": "compression", "started": started, "finished": C.utc_now(),
+           "machine": C.machine_info(), "git": C.git_commit(),
+           "versions": {**C.base_versions(), "zstandard": zstandard.__version__,
                         "zstd": ".".join(map(str, zstandard.ZSTD_VERSION)),
                         "native_kernels": _native.byte_regroup_kernels() is not None},
            "config": {k: v for k, v in vars(args).items() if k != "out"},

@@ -158,10 +158,9 @@ class FaultyStorage(Storage):
         return self.inner.read_streams
 
     def publish_manifest(self, path: str, data: bytes) -> None:
-        self.publish(path, data, _manifest=True)
+        self.publish(path, data)  # (the kill points and the inner commit: see publish)
 
-    def publish(self, path: str, data: bytes, *, durable: bool = True,
-                _manifest: bool = False) -> None:
+    def publish(self, path: str, data: bytes, *, durable: bool = True) -> None:
         manifest = path.endswith("/" + fmt.MANIFEST)
         if manifest:
             self._point("before_manifest")
@@ -169,7 +168,7 @@ class FaultyStorage(Storage):
                 d = path.rsplit("/", 1)[0]
                 self.inner.publish(f"{d}/.{fmt.MANIFEST}.tmp-fault", data[: len(data) // 2])
                 self._point("manifest_tmp_written")
-        if _manifest:
+        if manifest:  # a step's manifest is committed as the inner storage commits it
             self.inner.publish_manifest(path, data)
         else:
             self.inner.publish(path, data, durable=durable)
