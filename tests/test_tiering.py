@@ -283,3 +283,50 @@ def test_the_remote_decision(reports, survives, want):
     remote, local, why = budget.decide_remote(reports, decision, nums, 1.0, survives)
     assert (remote, local) == want, why
     assert why
+
+
+# ------------------------------------------------------------------------------------ the CLI
+
+def _cli(capsys, *args):
+    from fastckpt import cli
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        cli.main(list(args))
+    return e.value.code, capsys.readouterr().out
+
+
+def test_ls_resume_and_verify_show_both_tiers(tmp_path, s3, capsys):
+    local = str(tmp_path / "cli")
+    url = s3.url("cli")
+    with fastckpt.Checkpointer(local, remote=url, storage_options=_opts(s3)) as ck:
+        ck.save(_state(1), step=1, block=True).wait_remote(timeout=60)
+    fastckpt.save(_state(2), local, step=2)  # newer, local only
+    code, out = _cli(capsys, "ls", local, "--json")
+    doc = json.loads(out)
+    assert code == 0 and [r["step"] for r in doc["steps"]] == [1, 2]
+    assert doc["remote"]["root"] == url and [r["step"] for r in doc["remote"]["steps"]] == [1]
+    code, out = _cli(capsys, "resume", local, "--json")
+    assert json.loads(out)["step"] == 2 and json.loads(out)["tier"] == "local"
+    shutil.rmtree(os.path.join(local, "step-0000000002"))
+    shutil.rmtree(os.path.join(local, "step-0000000001"))
+    code, out = _cli(capsys, "resume", local, "--json")  # only the remote tier has a step
+    doc = json.loads(out)
+    assert code == 0 and doc["step"] == 1 and doc["tier"] == "remote" and doc["path"].startswith(
+        url)
+    code, out = _cli(capsys, "verify", local, "--tier", "remote", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["ok"] and [s["tier"] for s in doc["steps"]] == ["remote"]
+    assert not [k for k in s3.keys("cli") if ".verified-" in k]  # nothing written there
+
+
+def test_a_tiers_record_naming_a_local_path_is_ignored(tmp_path, capsys):
+    from fastckpt.manifest import schema as fmt
+    victim = tmp_path / "victim"
+    fastckpt.save(_state(5), str(victim), step=5)
+    local = tmp_path / "crafted"
+    fastckpt.save(_state(1), str(local), step=1)
+    (local / fmt.TIERS).write_text(json.dumps({"remote": f"file://{victim}"}))
+    code, out = _cli(capsys, "resume", str(local), "--json")
+    assert json.loads(out)["step"] == 1 and json.loads(out)["tier"] == "local"
+    code, out = _cli(capsys, "ls", str(local), "--json")
+    assert "remote" not in json.loads(out)

@@ -382,7 +382,8 @@ def _verify_tier(storage: Any, step: int | None, all_steps: bool, jobs: int, no_
             problems_outside.append({"step": bad_step, "path": e.file, "ok": False, "problems": [
                 {"kind": "manifest", "message": str(e), "file": e.file}]})
             continue
-        res = _run_verify(storage, found, record=not no_record, jobs=jobs)
+        # the remote tier a root names is read, never written (its URL came from the root)
+        res = _run_verify(storage, found, record=not no_record and tier != "remote", jobs=jobs)
         res.tier = tier
         results.append(res)
         if not as_json:

@@ -30,9 +30,14 @@ def remote_tier(storage: Storage) -> tuple[str, Storage] | None:
         return None
     rec = read_small_json(storage, storage.join(fmt.TIERS)) or {}
     url = rec.get("remote")
-    if not isinstance(url, str) or "://" not in url:
+    # the record is a file of the root (untrusted): an object store's URL only, never a
+    # local path, and the tools only read there (see docs/design.md, "Threat model")
+    if not isinstance(url, str) or url.split("://", 1)[0] not in _REMOTE_SCHEMES:
         return None
     return url, open_storage(url)
+
+
+_REMOTE_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 
 
 def display_path(storage: Storage, path: str) -> str:
