@@ -41,6 +41,7 @@ import torch
 from ..manifest import schema as fmt
 from ..storage import codec
 from ..storage.native import aligned_buffer
+from ..storage.pyio import _raw_view
 
 log = logging.getLogger("fastckpt")
 
@@ -251,4 +252,4 @@ def _sample(data: dict) -> tuple[memoryview, int] | None:
         return None
     flat = best.detach().reshape(-1).view(torch.uint8)[:4 << 20]
     width = codec.group_width(str(best.dtype).replace("torch.", ""))
-    return memoryview(flat.numpy()), width
+    return _raw_view(flat.data_ptr(), flat.numel()), width

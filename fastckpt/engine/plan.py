@@ -16,6 +16,7 @@ import torch
 
 from ..errors import StorageError, UnsupportedStateError, WriterLockedError
 from ..manifest import schema as fmt
+from ..storage.pyio import _raw_view
 from .dtypes import dtype_name
 from .state import is_dtensor
 
@@ -78,7 +79,7 @@ def digest(t: torch.Tensor) -> str:
             flat = flat[:max(1, _SAMPLE // max(1, t.element_size()))]
         b = flat.to("cpu").contiguous().view(torch.uint8) if flat.numel() else None
         if b is not None:
-            h.update(b.numpy().tobytes())
+            h.update(_raw_view(b.data_ptr(), b.numel()))  # (no numpy needed)
     return h.hexdigest()
 
 

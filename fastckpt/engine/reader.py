@@ -388,7 +388,8 @@ class FastCkptReader(StorageReader):
             out = into if into is not None else torch.empty(c["sizes"], dtype=dtype)
             if out.numel():
                 codec.decode_into(buf[rel:rel + n], c["codec"],
-                                  out.view(-1).view(torch.uint8).numpy(), threads=_DECODE_THREADS,
+                                  _raw_view(out.data_ptr(), out.numel() * out.element_size()),
+                                  threads=_DECODE_THREADS,
                                   executor=_decoders(), native=_native_mode(self._io),
                                   file=path, key=fqn, rank=self.rank, offset=int(c["offset"]))
             return out
