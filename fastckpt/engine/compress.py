@@ -253,3 +253,19 @@ def _sample(data: dict) -> tuple[memoryview, int] | None:
     flat = best.detach().reshape(-1).view(torch.uint8)[:4 << 20]
     width = codec.group_width(str(best.dtype).replace("torch.", ""))
     return _raw_view(flat.data_ptr(), flat.numel()), width
+
+
+#: decoder threads for one compressed chunk on load (its 4 MiB blocks decode in parallel)
+DECODE_THREADS = 4
+_DECODERS: list = []
+_DECODERS_LOCK = threading.Lock()
+
+
+def decoders() -> ThreadPoolExecutor:
+    """The process's decoder pool for loads (made on first use, kept: zstd contexts per
+    thread)."""
+    with _DECODERS_LOCK:
+        if not _DECODERS:
+            _DECODERS.append(ThreadPoolExecutor(DECODE_THREADS,
+                                                thread_name_prefix="fastckpt-unzstd"))
+        return _DECODERS[0]

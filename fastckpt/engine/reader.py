@@ -37,6 +37,7 @@ from ..storage.base import storage_error
 from ..storage.local import LocalStorage
 from ..storage.native import get_backend
 from ..storage.pyio import _address, _raw_view, aligned_buffer, populate
+from . import compress as _compress
 from . import device as _device
 from . import dist as _dist
 from .dtypes import torch_dtype
@@ -389,8 +390,8 @@ class FastCkptReader(StorageReader):
             if out.numel():
                 codec.decode_into(buf[rel:rel + n], c["codec"],
                                   _raw_view(out.data_ptr(), out.numel() * out.element_size()),
-                                  threads=_DECODE_THREADS,
-                                  executor=_decoders(), native=_native_mode(self._io),
+                                  threads=_compress.DECODE_THREADS,
+                                  executor=_compress.decoders(), native=_native_mode(self._io),
                                   file=path, key=fqn, rank=self.rank, offset=int(c["offset"]))
             return out
         raw = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=rel)
@@ -497,24 +498,6 @@ class FastCkptReader(StorageReader):
             if id(v) in refs and refs[id(v)] != k:
                 aliases.setdefault(refs[id(v)], []).append(k)
         return plain, aliases
-
-
-# ---------------------------------------------------------------------------- decoding pool
-
-#: decoder threads for one compressed chunk (its 4 MiB blocks decode in parallel)
-_DECODE_THREADS = 4
-_DECODERS: list = []
-_DECODERS_LOCK = threading.Lock()
-
-
-def _decoders() -> Any:
-    """The process's decoder pool (made on first use, kept: zstd contexts per thread)."""
-    with _DECODERS_LOCK:
-        if not _DECODERS:
-            from concurrent.futures import ThreadPoolExecutor
-            _DECODERS.append(ThreadPoolExecutor(_DECODE_THREADS,
-                                                thread_name_prefix="fastckpt-unzstd"))
-        return _DECODERS[0]
 
 
 def _native_mode(io_backend: Any) -> str:
