@@ -249,3 +249,23 @@ def test_the_unmodified_manifest_passes_every_operation(pristine, tmp_path):
     for k, v in _state().items():
         if isinstance(v, torch.Tensor):
             assert torch.equal(dest[k], v)
+
+
+def test_a_large_manifest_is_written_as_its_canonical_body_and_still_checked(tmp_path):
+    """Above fmt.INDENT_MAX the manifest is the canonical body as hashed (no indentation: the
+    indenting encoder is pure Python, seconds at tens of MB); it loads like any other, and a
+    changed byte of its body is refused by the checksum."""
+    root = str(tmp_path / "ckpt")
+    blob = "".join(chr(97 + i % 26) for i in range(fmt.INDENT_MAX + 10))
+    fastckpt.save({"w": torch.arange(6.0), "blob": blob}, root, step=1)
+    path = os.path.join(root, "step-0000000001", fmt.MANIFEST)
+    raw = open(path, "rb").read()
+    assert raw.count(b"\n") == 2 and b'"body": {' in raw  # head line, body line
+    state = {"w": torch.zeros(6), "blob": ""}
+    assert fastckpt.load(state, root) == 1
+    assert state["blob"] == blob and torch.equal(state["w"], torch.arange(6.0))
+    i = raw.index(b"abcdefgh", len(raw) // 2)
+    with open(path, "wb") as f:
+        f.write(raw[:i] + b"X" + raw[i + 1:])
+    with pytest.raises(fastckpt.errors.CorruptCheckpointError, match="checksum"):
+        fastckpt.load({"w": torch.zeros(6), "blob": ""}, root)

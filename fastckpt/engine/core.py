@@ -6,9 +6,12 @@ Call sequence of ``Engine.save(state, step=s)`` (every rank calls it, collective
    (back-pressure: one staging pool, never a second), re-raising its failure if unreported.
 2. (all ranks, training thread) flatten ``state`` (``state.flatten``): tensors out, plain values
    into a JSON skeleton; unsupported objects raise ``UnsupportedStateError`` here.
-3. (all ranks, training thread) one ``all_gather_object`` of each rank's chunk list and
-   skeleton; every rank computes the same plan (``plan.make_plan``). A rank that could not
-   flatten makes every rank raise: nothing has been written, not even the root.
+3. (all ranks, training thread) one gather (``Group.gather``) of each rank's layout hash and
+   fingerprints: when no layout changed since the previous save every rank reuses its plan;
+   else (the first save) the chunk lists go in the same gather, or (a changed layout) in a
+   second one, and every rank computes the same plan (``plan.PlanExchange``,
+   ``plan.make_plan``). A rank that could not flatten makes every rank raise: nothing has been
+   written, not even the root. The skeleton stays on the rank until its commit result.
 4. (all ranks, training thread, first save only) claim the root: it is writable, and
    (coordinator) the writer lease is taken (``fastckpt.lease``); one more gather makes every
    rank raise if a rank could not.
@@ -48,7 +51,7 @@ from . import device as _device
 from . import dist as _dist
 from .handle import SaveHandle
 from .load import load_into
-from .plan import check_user_meta, local_chunks, make_plan, raise_setup_errors
+from .plan import PlanExchange, check_user_meta, local_chunks, raise_setup_errors
 from .compress import Compression
 from .tiering import Tier
 from .staging import (StagingPool, first_piece_bytes, gather_piece, piece_bytes, split,
@@ -103,6 +106,7 @@ class Engine:
                                          if remote_storage_options is not None
                                          else storage_options)
         self._upload_next = False
+        self._plans = PlanExchange()
         self._last_load: dict | None = None
         self._compression = Compression(self.options.compression,
                                         level=self.options.compression_level,
@@ -316,13 +320,20 @@ class Engine:
                 raise
             error = str(e)
         busy = self._tier.busy if self._tier is not None else False
+        what = f"save of step {step}: the plan exchange"
+        common = {"error": error, "aliases": aliases}
         gathered = self.group.gather(
-            {"save_id": uuid.uuid4().hex[:12], "specs": specs, "tree": tree, "error": error,
-             "aliases": aliases, "up_busy": busy},
-            timeout_s=self._wait_s(deadline), what=f"save of step {step}: the plan exchange")
+            self._plans.value(uuid.uuid4().hex[:12], specs, up_busy=busy, **common),
+            timeout_s=self._wait_s(deadline), what=what)
         # every rank decides alike: upload this step unless an uploader is still busy
         self._upload_next = not any(g.get("up_busy") for g in gathered)
-        return make_plan(gathered, self.rank, step), data
+        plan = self._plans.resolve(gathered, self.rank, step)
+        if plan is None:  # a layout changed (or a rank missed an exchange): the lists go
+            gathered = self.group.gather(
+                self._plans.full_value(uuid.uuid4().hex[:12], specs, **common),
+                timeout_s=self._wait_s(deadline), what=what + " (the chunk lists)")
+            plan = self._plans.resolve(gathered, self.rank, step)
+        return dataclasses.replace(plan, tree=tree), data
 
     def _claim_root(self, deadline: float | None = None) -> None:
         """(step 4, first save) The root is writable and, on the coordinator, the writer lease

@@ -1,14 +1,22 @@
-"""The save plan: which rank writes which chunk, agreed from one exchange of chunk lists.
+"""The save plan: which rank writes which chunk, agreed from one exchange per save.
 
 (all ranks, training thread) Each rank lists its chunks (``local_chunks``: a box of a global
-tensor per DTensor shard or whole regular tensor); one ``all_gather_object`` of the lists and
-skeletons; every rank then computes the same ``SavePlan`` (``make_plan``): the save id (rank
-0's proposal), dtype/shape agreement, and the writer of each chunk (a chunk several ranks hold
-is written once, by the least-loaded holder, largest chunks first).
+tensor per DTensor shard or whole regular tensor) and sends, in one gather
+(:class:`PlanExchange`), a 128-bit hash of that layout and the content fingerprints of its
+regular tensors. When every rank's layout hash is the one it sent at the previous exchange and
+the fingerprints split the tensors into replicated and per-rank ones as then, every rank reuses
+the previous plan (the common case: the chunk layout of a training state does not change
+between saves, and nobody parses N chunk lists or runs ``make_plan``). Otherwise (the first
+save, a changed layout) the chunk lists themselves are exchanged and every rank computes the
+same ``SavePlan`` (``make_plan``): the save id (rank 0's proposal), dtype/shape agreement, and
+the writer of each chunk (a chunk several ranks hold is written once, by the least-loaded
+holder, largest chunks first). The plain-value skeletons are not part of the exchange: each
+rank sends its own to the coordinator with its commit result (fastckpt/engine/writer.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -41,7 +49,7 @@ class SavePlan:
     world_size: int
     my_chunks: tuple  # ChunkSpecs this rank writes, in key order
     tensors: dict  # fqn -> {"dtype", "shape", "dtensor"}
-    trees: list  # per-rank skeletons
+    tree: object = None  # this rank's skeleton (sent to the coordinator with its result)
     pieces: tuple = ()  # this rank's shard files (staging.Piece), set by Checkpointer.save
     #: 2 when the manifest uses what format 1 readers do not know (ties, per-rank tensors)
     format_version: int = 1
@@ -116,11 +124,7 @@ def local_chunks(tensors: dict[str, torch.Tensor], *, digests: bool = False
 
 def make_plan(gathered: list[dict], rank: int, step: int) -> SavePlan:
     """The global plan, computed identically on every rank from everyone's chunk lists."""
-    errors = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"]]
-    if errors:
-        r, msg = errors[0]
-        more = f" (and {len(errors) - 1} more rank(s))" if len(errors) > 1 else ""
-        raise UnsupportedStateError(f"rank {r} cannot save its state: {msg}{more}")
+    raise_state_errors(gathered)
     tensors: dict[str, dict] = {}
     holders: dict[tuple, list[int]] = {}
     digests: dict[tuple, set] = {}
@@ -154,11 +158,105 @@ def make_plan(gathered: list[dict], rank: int, step: int) -> SavePlan:
         load[writer] += spec_of[key].nbytes
         if writer == rank:
             mine.append(spec_of[key])
-    mine.sort(key=lambda s: (s.fqn, s.offsets))
+    # (the fingerprints served the split above; a reused plan must not carry stale ones)
+    mine = sorted((dataclasses.replace(s, digest=None) for s in mine),
+                  key=lambda s: (s.fqn, s.offsets))
     v2 = bool(per_rank) or any(g.get("aliases") for g in gathered)
     return SavePlan(save_id=gathered[0]["save_id"], step=step, world_size=len(gathered),
-                    my_chunks=tuple(mine), tensors=tensors,
-                    trees=[g["tree"] for g in gathered], format_version=2 if v2 else 1)
+                    my_chunks=tuple(mine), tensors=tensors, format_version=2 if v2 else 1)
+
+
+def raise_state_errors(gathered: list[dict]) -> None:
+    """(all ranks, after an exchange) Raise if a rank could not list its state, naming it."""
+    errors = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"]]
+    if errors:
+        r, msg = errors[0]
+        more = f" (and {len(errors) - 1} more rank(s))" if len(errors) > 1 else ""
+        raise UnsupportedStateError(f"rank {r} cannot save its state: {msg}{more}")
+
+
+def layout_hash(specs: list) -> str:
+    """A 128-bit hash of a rank's chunk layout: its specs without the content fingerprints."""
+    import xxhash
+    return xxhash.xxh3_128_hexdigest(json.dumps([list(s[:7]) for s in specs]).encode())
+
+
+@dataclass
+class _Reusable:
+    """What one exchange leaves for the next: the same on every rank that took part."""
+    base: str  # the save id of the exchange it came from
+    hashes: list  # per rank: its layout hash
+    shared: dict  # (fqn, offsets) -> [(rank, index in its fingerprints)], >1 holder only
+    per_rank: frozenset  # the shared keys whose fingerprints differed
+    plan: SavePlan
+
+
+class PlanExchange:
+    """The plan exchange of one engine (training thread only; see the module docstring).
+
+    ``value(...)`` is this rank's entry of the first gather of a save; ``resolve(gathered)``
+    returns the plan, or None when the chunk lists must be exchanged (``full_value``, a second
+    gather, then ``resolve`` again). Every rank decides alike from the same gathered values:
+    the reuse needs every rank's entry to name the same previous exchange (``base``), so a rank
+    that missed one (its gather timed out where others' did not) makes everyone exchange the
+    lists again instead of reusing plans that differ.
+    """
+
+    def __init__(self) -> None:
+        self._last: _Reusable | None = None
+        #: how the last plan was made: "reused", "exchanged" (one gather) or "re-exchanged"
+        self.how = ""
+
+    def value(self, save_id: str, specs: list, **extra) -> dict:
+        base = self._last.base if self._last is not None else None
+        out = {"save_id": save_id, "base": base, "hash": layout_hash(specs) if specs else "",
+               "digests": [s[7] for s in specs if not s[6]], **extra}  # regular tensors
+        if base is None:  # nothing to reuse: the lists go at once (no second gather)
+            out["specs"] = specs
+        return out
+
+    @staticmethod
+    def full_value(save_id: str, specs: list, **extra) -> dict:
+        return {"save_id": save_id, "specs": specs, **extra}
+
+    def resolve(self, gathered: list[dict], rank: int, step: int) -> SavePlan | None:
+        raise_state_errors(gathered)
+        last = self._last
+        if all("specs" in g for g in gathered):
+            plan = make_plan(gathered, rank, step)
+            self._remember(gathered, plan)
+            self.how = "exchanged" if "hash" in gathered[0] else "re-exchanged"
+            return plan
+        if (last is None or any(g.get("base") != last.base for g in gathered)
+                or [g["hash"] for g in gathered] != last.hashes):
+            return None
+        per_rank = frozenset(key for key, members in last.shared.items()
+                             if len({gathered[r]["digests"][i] for r, i in members}) > 1)
+        if per_rank != last.per_rank:
+            return None
+        v2 = bool(per_rank) or any(g.get("aliases") for g in gathered)
+        plan = dataclasses.replace(last.plan, save_id=gathered[0]["save_id"], step=step,
+                                   format_version=2 if v2 else 1)
+        last.base = plan.save_id
+        self.how = "reused"
+        return plan
+
+    def _remember(self, gathered: list[dict], plan: SavePlan) -> None:
+        # the regular tensors held by more than one rank, by their place in each holder's
+        # fingerprint list (DTensor boxes have no fingerprint: they are never per rank)
+        holders: dict = {}
+        digests = []
+        for r, g in enumerate(gathered):
+            regular = [s for s in g["specs"] if not s[6]]
+            for j, s in enumerate(regular):
+                holders.setdefault((s[0], tuple(s[3])), []).append((r, j))
+            digests.append([s[7] for s in regular])
+        shared = {k: m for k, m in holders.items() if len(m) > 1}
+        per_rank = frozenset(k for k, m in shared.items()
+                             if len({digests[r][j] for r, j in m}) > 1)
+        hashes = [g["hash"] if "hash" in g else layout_hash(g["specs"]) if g["specs"] else ""
+                  for g in gathered]
+        self._last = _Reusable(plan.save_id, hashes, shared, per_rank, plan)
 
 
 def raise_setup_errors(gathered: list[dict], mine: BaseException | None) -> None:

@@ -181,7 +181,8 @@ class Writer:
                     remaining = 0 if piece is None else remaining - 1
                     if piece is not None:
                         self._release(buf, ready)
-            result = {"ok": True, "files": files}
+            # the skeleton travels with the result: only the coordinator needs it
+            result = {"ok": True, "files": files, "tree": plan.tree}
         except Exception as e:
             local_exc = e
             result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -333,7 +334,8 @@ class Writer:
                     tensors[c["fqn"]]["chunks"].append(entry)
         body = fmt.new_manifest_body(step=plan.step, world_size=plan.world_size,
                                      save_id=plan.save_id, files=files, tensors=tensors,
-                                     trees=plan.trees, user_meta=job.user_meta,
+                                     trees=[res["tree"] for res in results],
+                                     user_meta=job.user_meta,
                                      torch_version=_torch_version())
         if self.lease is not None:  # nobody took the root over since the save began
             self.lease.check()
