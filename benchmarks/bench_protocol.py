@@ -36,9 +36,9 @@ What runs (``current`` = fastckpt's own code, driven with minimal fake engine ob
   specs and the state's skeleton per rank, ~0.7 MB) runs through the same real ``gather`` in
   ``plan_realistic`` at small N only (it moves N^2 x 0.7 MB), with the real ``make_plan`` timed
   on N such entries; larger N are modelled from those measurements.
-* ``gather_proto``: the part of docs/scale.md's proposal that is **not** implemented (plan reuse
-  with compact values gathered to the coordinator only, one small plan value back), written
-  here on top of fastckpt's real ``Exchange``.
+* ``decide_current``: the plan exchange of a save whose layout did not change (every save after
+  the first): fastckpt's real ``Group.decide`` (every rank's compact value to rank 0 only, one
+  verdict back) with the real ``PlanExchange.decide`` answering "reuse" on rank 0.
 
 Every phase's ``Exchange`` objects are fresh (a phase is a job); the commit and gather phases
 pre-open one dedicated connection per rank before their start (``warm(1)``: what the trigger's
@@ -88,7 +88,7 @@ COMMANDS = {"set": 1, "get": 2, "check": 1, "add": 1, "delete_key": 1, "wait": 1
             "wait_timeout": 1}
 TARGETS = {"consensus_s": 0.5, "idle_cmds_per_s": 2000, "commit_s": 1.0}  # at 4096 ranks
 ALL_PHASES = ("idle_current", "consensus_current", "commit_current", "gather_current",
-              "gather_proto")
+              "decide_current")
 #: the all-to-all plan exchange (every rank reads N values): its client side grows as N^2 here
 HEAVY_CURRENT = ("gather_current",)
 QUICK_PHASES = ALL_PHASES
@@ -296,14 +296,6 @@ def plan_entry(rank: int, world: int, tree: Any) -> dict:
             "aliases": 0}
 
 
-def compact_entry(rank: int, world: int) -> dict:
-    """The prototype's plan value: a hash of the spec list (without fingerprints) and the
-    fingerprints of the regular tensors (the only thing that decides who writes what)."""
-    n_regular = len(model_tensors())
-    return {"save_id": "0123456789ab", "struct": "9f86d081884c7d65", "error": None,
-            "digests": ["5d1c0a5e3f1b2c4d"] * n_regular}
-
-
 def result_entry(rank: int, world: int) -> dict:
     """Rank ``rank``'s commit result (``Writer._write_and_commit``): its shard files of up to
     256 MiB, each with its chunks (key, box, place in the file, checksum). The replicated
@@ -343,31 +335,24 @@ def server_main() -> None:
     del store
 
 
-# ------------------------------------------------- the plan exchange still proposed (sim)
+# ------------------------------------------------- the plan exchange when the plan is reused
 
-def gather_proto(ex: Any, *, base: str, rank: int, world: int, value: bytes,
-                 deadline: float) -> dict:
-    """The plan exchange docs/scale.md still proposes (not in fastckpt): every rank's compact
-    value (a hash of its spec list and its regular tensors' fingerprints) to the coordinator
-    only, which checks them and publishes one small plan value; on fastckpt's real
-    ``Exchange`` (one server-side wait each, ``multi_get``). ``deadline``: monotonic."""
-    ex.set(f"{base}/{rank}", value)
-    if rank == 0:
-        keys = [f"{base}/{r}" for r in range(world)]
-        found, missing = ex.wait(keys, deadline)
-        if missing:
-            raise RuntimeError(f"gather_proto: {len(missing)} value(s) missing")
-        vals = [json.loads(found[k]) for k in keys]
-        same = all(v["struct"] == vals[0]["struct"] and v["digests"] == vals[0]["digests"]
-                   for v in vals)
-        ex.set(f"{base}/plan", json.dumps({"save_id": vals[0]["save_id"],
-                                           "replicated_everywhere": same}).encode())
-    found, missing = ex.wait([f"{base}/plan"], deadline)
-    if missing:
-        raise RuntimeError("gather_proto: no plan from the coordinator")
-    plan = json.loads(found[f"{base}/plan"])
-    ex.delete([f"{base}/{rank}"])
-    return plan
+#: the value every rank sends when its layout did not change (PlanExchange.value, compact: a
+#: layout hash, one hash of its shared replicated tensors' fingerprints)
+REUSE_VALUE = {"save_id": "0123456789ab", "base": "0123456789aa",
+               "hash": "3f" * 16, "rep": "9e" * 16, "error": None, "aliases": 0,
+               "up_busy": False}
+
+
+def reuse_plans(world: int) -> Any:
+    """A real ``PlanExchange`` in the state a full exchange of ``world`` ranks leaves (every
+    rank's layout hash, one group of ranks holding the same replicated tensors), so that its
+    real ``decide`` answers "reuse" to :data:`REUSE_VALUE` from every rank."""
+    from fastckpt.engine.plan import PlanExchange, SavePlan, _Reusable
+    plans = PlanExchange()
+    plans._last = _Reusable(REUSE_VALUE["base"], SavePlan(REUSE_VALUE["base"], 0, world, (), {}),
+                            [REUSE_VALUE["hash"]] * world, [], [], [0] * world, True)
+    return plans
 
 
 # ----------------------------------------------------------------------------- worker
@@ -639,17 +624,26 @@ class Worker:
         self.release([g._exchange for g in groups])
         return res
 
-    def phase_gather_proto(self, i: int, spec: dict) -> dict:
-        exs = [self.exchange(c, warm=1) for c in self.clients]
-        # serialised here, before the start: thousands of threads doing Python work at once
-        # thrash the GIL (a real rank serialises its own value on its own core)
-        values = [json.dumps(compact_entry(r, self.world)).encode() for r in self.ranks]
+    def phase_decide_current(self, i: int, spec: dict) -> dict:
+        """fastckpt's real ``Group.decide`` with the real ``PlanExchange.decide`` on rank 0:
+        the whole plan exchange of a save whose layout did not change."""
+        from fastckpt.engine.dist import Group
+        groups, counters = [], []
+        for r, c in zip(self.ranks, self.clients):
+            g = object.__new__(Group)
+            g.collective, g.rank, g.world_size = True, r, self.world
+            g._prefix, g._seq = spec["prefix"], 0
+            g._exchange, cnt = self.exchange(c, warm=1)
+            groups.append(g)
+            counters.append(cnt)
+        plans = reuse_plans(self.world)
 
         def body(j: int, r: int) -> None:
-            gather_proto(exs[j][0], base=spec["prefix"], rank=r, world=self.world,
-                         value=values[j], deadline=time.monotonic() + spec["deadline_s"])
-        res = self.run_ranks(i, spec, body, [c for _, c in exs])
-        self.release([e for e, _ in exs])
+            out = groups[j].decide(dict(REUSE_VALUE), plans.decide if r == 0 else None,
+                                   timeout_s=spec["deadline_s"], what="bench")
+            assert out["how"] == "reuse", out
+        res = self.run_ranks(i, spec, body, counters)
+        self.release([g._exchange for g in groups])
         return res
 
     def serve(self) -> None:
@@ -672,7 +666,7 @@ class Worker:
                   "commit_current": self.phase_commit_current,
                   "gather_current": self.phase_gather_current,
                   "plan_realistic": self.phase_gather_current,
-                  "gather_proto": self.phase_gather_proto}[kind]
+                  "decide_current": self.phase_decide_current}[kind]
             t = time.time()
             res = fn(i, spec)
             res["worker_s"] = round(time.time() - t, 3)
@@ -1127,37 +1121,39 @@ def plan_cpu(worlds: list[int]) -> dict:
 
 
 def reuse_cost(n: int, gathered: list) -> dict:
-    """fastckpt's real ``PlanExchange`` with the 70B entries: the first save (chunk lists in
-    the one exchange: every rank parses N of them and runs ``make_plan``) against a later save
-    whose layout did not change (hashes and fingerprints only; the plan is reused). Bytes of
-    one rank's value, and one rank's ``json.loads`` of N values + ``resolve``."""
+    """fastckpt's real ``PlanExchange`` with the 70B entries: the first save (the verdict
+    round, then the chunk lists to every rank: each parses N of them and runs ``make_plan``)
+    against a later save whose layout did not change (every rank's compact value to rank 0,
+    whose ``decide`` answers "reuse"). Bytes of one rank's values, rank 0's ``json.loads`` of
+    N values + ``decide``, one rank's own ``value`` (hashing its layout) and ``apply``."""
     from fastckpt.engine.plan import PlanExchange
     specs = [g["specs"] for g in gathered]
     ex = PlanExchange()
-    firsts = [json.dumps(ex.value("0123456789ab", specs[r], error=None, aliases=0)).encode()
+    firsts = [json.dumps(ex.full_value("0123456789ab", specs[r], error=None, aliases=0)).encode()
               for r in range(n)]
     t = time.perf_counter()
     got = [json.loads(x) for x in firsts]
-    ex.resolve(got, 0, 1)
+    ex.resolve_full(got, 0, 1)
     t1 = time.perf_counter()
     assert ex.how == "exchanged"
-    # every rank's second value names the same previous exchange (each rank's PlanExchange
-    # holds the same state after the first; the value reads only its base)
+    # every rank's value after the first exchange (each rank's PlanExchange holds the same
+    # base and, under FSDP, the same watched places as rank 0's)
     later = [json.dumps(ex.value("0123456789ac", specs[r], error=None, aliases=0)).encode()
              for r in range(n)]
     t2 = time.perf_counter()
-    got = [json.loads(x) for x in later]
-    ex.resolve(got, 0, 2)
+    verdict = ex.decide([json.loads(x) for x in later])
     t3 = time.perf_counter()
-    assert ex.how == "reused", ex.how
+    assert verdict["how"] == "reuse", verdict
     t4 = time.perf_counter()
     ex.value("0123456789ad", specs[0], error=None, aliases=0)
-    value_s = time.perf_counter() - t4  # one rank's own value: hashing its layout
+    ex.apply(verdict, 2)
+    own_s = time.perf_counter() - t4
     return {"first_value_bytes": round(sum(map(len, firsts)) / n),
             "first_loads_and_plan_s": round(t1 - t, 3),
             "reused_value_bytes": round(sum(map(len, later)) / n),
-            "reused_loads_and_resolve_s": round(t3 - t2, 4),
-            "own_value_s": round(value_s, 4)}
+            "verdict_bytes": len(json.dumps({"ok": verdict})),
+            "reused_rank0_loads_and_decide_s": round(t3 - t2, 4),
+            "own_value_and_apply_s": round(own_s, 4)}
 
 
 def manifest_cost(n: int, gathered: list, tree: Any) -> dict:
@@ -1246,10 +1242,11 @@ def critical_rounds(kind: str, world: int) -> float:
       acked set + the coordinator's wait (1), 4 deletes (4): 11 + 2b;
     gather (every rank but 0): last value set + the waits (1), multi_get 2b, add (1): 2 + 2b
       (rank 0 then waits for ``done`` and deletes the N + 2 keys one by one: N + 3 more);
-    gather_proto: value set + wait (1), 2b, plan set + waits (1), multi_get (2), delete (1)."""
+    decide_current: value set + rank 0's wait (1), its multi_get 2b, answer set + waits (1),
+      multi_get (2), add (1)."""
     b = -(-world // MULTI_GET_BATCH)
     return {"consensus_current": 9, "commit_current": 11 + 2 * b, "gather_current": 2 + 2 * b,
-            "gather_proto": 5 + 2 * b}[kind]
+            "decide_current": 5 + 2 * b}[kind]
 
 
 def _finished(rows: list[dict]) -> list[dict]:
@@ -1281,7 +1278,7 @@ def cluster_model(doc: dict) -> dict:
         if idle:
             m["idle_cmds_per_s"] = C.median(idle)
             m["idle_server_core"] = round(C.median(idle) * c_add, 4)
-        for kind in ("consensus_current", "commit_current", "gather_current", "gather_proto"):
+        for kind in ("consensus_current", "commit_current", "gather_current", "decide_current"):
             rounds = critical_rounds(kind, w)
             cpu = [r["server_cpu_protocol_s"] for r in _finished(run.get(kind, []))
                    if r.get("server_cpu_protocol_s") is not None]
@@ -1349,7 +1346,7 @@ def before_summary(path: str) -> dict | None:
             "proto_consensus_commands": first("consensus_fanout", "commands"),
             "proto_commit_s": med("commit_proto", "beyond_slowest_s"),
             "proto_commit_commands": first("commit_proto", "commands"),
-            "proto_gather_s": med("gather_proto", "all_have_plan_s"),
+            "proto_gather_s": med("decide_current", "all_have_plan_s"),
         }
     out["cluster_model"] = (old.get("cluster_model") or {}).get("worlds")
     return out
@@ -1422,7 +1419,7 @@ def deployment_model(doc: dict) -> dict:
         "commit_before_s": b64.get("commit_s"),
         "plan_exchange_tiny_s": med("gather_current", "all_have_plan_s"),
         "plan_exchange_tiny_before_s": b64.get("gather_s"),
-        "plan_exchange_proposal_s": med("gather_proto", "all_have_plan_s"),
+        "plan_exchange_reused_s": med("decide_current", "all_have_plan_s"),
         "plan_exchange_realistic_model": gm,
         "make_plan_and_loads_at_64": mp,
         "manifest_at_64": man,
@@ -1472,7 +1469,7 @@ def print_table(doc: dict) -> None:
             "commit": med("commit_current", "commands_per_rank"),
             "store CPU cons": med("consensus_current", "server_cpu_protocol_s"),
             "commit ": med("commit_current", "server_cpu_protocol_s"),
-            "gather proto s": med("gather_proto", "all_have_plan_s"),
+            "plan reused s": med("decide_current", "all_have_plan_s"),
         })
     if rows:
         keys = list(rows[0])
@@ -1549,8 +1546,8 @@ def write_png(doc: dict, path: str) -> str | None:
             label="fastckpt now (all-to-all, wait + multi_get), tiny values")
     ax.plot(*model(cm, "gather_current_est_s"), "--", c="C1",
             label="fastckpt now, store CPU + round trips on a cluster")
-    ax.plot(*series("gather_proto", "all_have_plan_s"), "o-", c="C2",
-            label="proposal (not implemented): compact values to the coordinator")
+    ax.plot(*series("decide_current", "all_have_plan_s"), "o-", c="C2",
+            label="fastckpt now, plan reused: Group.decide (values to rank 0 only)")
     gm = doc.get("gather_model") or {}
     if gm:
         xs = sorted(int(k) for k in gm)

@@ -11,6 +11,7 @@ included, now that they travel with the commit results instead of the plan excha
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -44,56 +45,117 @@ def _rank_specs(rank, world, layout, contents):
     return specs
 
 
-def _save(exchanges, specs_of, step):
-    """One save's exchange on every simulated rank: the plans, and how they were made."""
-    world = len(exchanges)
-    first = [ex.value(f"id{step}", specs_of[r], error=None, aliases=0)
-             for r, ex in enumerate(exchanges)]
-    plans = [ex.resolve(first, r, step) for r, ex in enumerate(exchanges)]
-    assert len({p is None for p in plans}) == 1, "the ranks decided differently"
-    if plans[0] is None:
-        full = [ex.full_value(f"id{step}b", specs_of[r], error=None, aliases=0)
-                for r, ex in enumerate(exchanges)]
-        plans = [ex.resolve(full, r, step) for r, ex in enumerate(exchanges)]
-    hows = {ex.how for ex in exchanges}
-    assert len(hows) == 1
-    fresh = [{"save_id": "x", "specs": [list(s) for s in specs_of[r]], "error": None,
-              "aliases": 0} for r in range(world)]
-    for r, p in enumerate(plans):
-        want = make_plan(fresh, r, step)
-        assert (p.my_chunks, p.tensors, p.format_version, p.step) == (
-            want.my_chunks, want.tensors, want.format_version, want.step), (r, step)
-        assert p.save_id == plans[0].save_id
-    return hows.pop()
+def _json(x):
+    return json.loads(json.dumps(x))  # what crosses the store
+
+
+class _Ranks:
+    """N simulated ranks' PlanExchanges and what an oracle expects of them: ``sticky``, the
+    tensors that stay per rank until the next full exchange."""
+
+    def __init__(self, world):
+        self.ex = [PlanExchange() for _ in range(world)]
+        self.sticky: set = set()
+
+    def save(self, specs_of, step, *, skip=()):
+        """One save on every simulated rank (``skip``: ranks whose verdict never came); the
+        way the plan was made. Every plan is checked against a fresh make_plan."""
+        ex, world = self.ex, len(self.ex)
+        values = _json([e.value(f"id{step}", specs_of[r], error=None, aliases=0)
+                        for r, e in enumerate(ex)])
+        verdict = _json(ex[0].decide(values))
+        plans = [e.apply(verdict, step) if r not in skip else "skipped"
+                 for r, e in enumerate(ex)]
+        if skip:
+            return None
+        if plans[0] is None:
+            full = _json([e.full_value(f"id{step}b", specs_of[r], error=None, aliases=0)
+                          for r, e in enumerate(ex)])
+            plans = [e.resolve_full(full, r, step) for r, e in enumerate(ex)]
+        hows = {e.how for e in ex}
+        assert len(hows) == 1, hows
+        how = hows.pop()
+        truth = {fqn for fqn, m in make_plan(self._fresh(specs_of, set()), 0, step)
+                 .tensors.items() if m.get("per_rank")}
+        if how == "reused":
+            assert truth <= self.sticky, "a tensor whose copies differ would be written once"
+        else:
+            self.sticky = truth
+        fresh = self._fresh(specs_of, self.sticky)
+        for r, p in enumerate(plans):
+            want = make_plan(fresh, r, step)
+            assert (p.my_chunks, p.tensors, p.format_version, p.step) == (
+                want.my_chunks, want.tensors, want.format_version, want.step), (r, step)
+            assert p.save_id == plans[0].save_id
+        return how
+
+    @staticmethod
+    def _fresh(specs_of, sticky):
+        """Everyone's full lists, the ``sticky`` tensors' fingerprints made rank-unique."""
+        out = []
+        for r, specs in enumerate(specs_of):
+            rows = [list(s) for s in specs]
+            for row in rows:
+                if row[0] in sticky:
+                    row[7] = f"{row[7]}-rank{r}"
+            out.append({"save_id": "x", "specs": rows, "error": None, "aliases": 0})
+        return _json(out)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_first_save_exchanges_once_and_an_unchanged_layout_reuses(world):
     layout = {"dtensors": [8, 16], "regular": [5, 7], "only": {}}
     contents = {(r, j): f"c{j}" for r in range(world) for j in range(2)}
-    ex = [PlanExchange() for _ in range(world)]
+    ranks = _Ranks(world)
     specs = [_rank_specs(r, world, layout, contents) for r in range(world)]
-    assert _save(ex, specs, 1) == "exchanged"
+    assert ranks.save(specs, 1) == "exchanged"
     # new content, still replicated (an optimizer's step counter): reused
     contents = {(r, j): f"d{j}" for r in range(world) for j in range(2)}
     specs = [_rank_specs(r, world, layout, contents) for r in range(world)]
-    assert _save(ex, specs, 2) == "reused"
-    assert _save(ex, specs, 3) == "reused"
+    assert ranks.save(specs, 2) == "reused"
+    assert ranks.save(specs, 3) == "reused"
+    if world > 1:  # one compact hash per rank, not a fingerprint per tensor
+        value = ranks.ex[1].value("id4", specs[1], error=None, aliases=0)
+        assert "rep" in value and "digests" not in value and "specs" not in value
 
 
 def test_a_tensor_that_becomes_per_rank_and_a_changed_layout_re_exchange():
     world = 2
     layout = {"dtensors": [8], "regular": [5, 9], "only": {}}
     same = {(r, j): "c" for r in range(world) for j in range(2)}
-    ex = [PlanExchange() for _ in range(world)]
-    assert _save(ex, [_rank_specs(r, world, layout, same) for r in range(world)], 1) == "exchanged"
+    ranks = _Ranks(world)
+    assert ranks.save([_rank_specs(r, world, layout, same) for r in range(world)], 1) == \
+        "exchanged"
     differ = {**same, (1, 1): "other"}  # r1 now differs between the ranks: per rank
-    assert _save(ex, [_rank_specs(r, world, layout, differ) for r in range(world)], 2) == \
+    assert ranks.save([_rank_specs(r, world, layout, differ) for r in range(world)], 2) == \
         "re-exchanged"
-    assert _save(ex, [_rank_specs(r, world, layout, differ) for r in range(world)], 3) == "reused"
+    assert ranks.sticky == {"r1"}
+    assert ranks.save([_rank_specs(r, world, layout, differ) for r in range(world)], 3) == \
+        "reused"
+    # equal again: it stays per rank (each rank writes its own copy) until the next exchange
+    assert ranks.save([_rank_specs(r, world, layout, same) for r in range(world)], 4) == "reused"
     layout2 = dict(layout, only={1: [("extra", 3)]})  # one rank gains a tensor
-    assert _save(ex, [_rank_specs(r, world, layout2, differ) for r in range(world)], 4) == \
+    assert ranks.save([_rank_specs(r, world, layout2, same) for r in range(world)], 5) == \
         "re-exchanged"
+    assert ranks.sticky == set()
+
+
+def test_ranks_holding_different_shared_tensors_send_every_fingerprint():
+    """Replicated tensors held by overlapping sets of ranks: one hash per rank cannot compare
+    them, so the values carry each fingerprint, and a copy that differs is still caught."""
+    world = 3
+    held = {0: ["a", "b"], 1: ["b", "c"], 2: ["a", "c"]}
+
+    def specs(contents):
+        return [[_spec(k, (2,), (0,), (2,), False, contents.get((r, k), "same"))
+                 for k in held[r]] for r in range(world)]
+    ranks = _Ranks(world)
+    assert ranks.save(specs({}), 1) == "exchanged"
+    value = ranks.ex[0].value("id", specs({})[0], error=None, aliases=0)
+    assert "digests" in value and "rep" not in value
+    assert ranks.save(specs({}), 2) == "reused"
+    assert ranks.save(specs({(2, "c"): "moved"}), 3) == "re-exchanged"
+    assert ranks.sticky == {"c"}
 
 
 def test_a_rank_that_missed_an_exchange_makes_everyone_exchange_the_lists():
@@ -101,20 +163,17 @@ def test_a_rank_that_missed_an_exchange_makes_everyone_exchange_the_lists():
     layout = {"dtensors": [9], "regular": [4], "only": {}}
     contents = {(r, 0): "c" for r in range(world)}
     specs = [_rank_specs(r, world, layout, contents) for r in range(world)]
-    ex = [PlanExchange() for _ in range(world)]
-    _save(ex, specs, 1)
-    # rank 2's gather of save 2 timed out where the others' completed: its base is older
-    first = [e.value("id2", specs[r], error=None, aliases=0) for r, e in enumerate(ex)]
-    for r in (0, 1):
-        ex[r].resolve(first, r, 2)
-    assert _save(ex, specs, 3) == "re-exchanged"
-    assert _save(ex, specs, 4) == "reused"
+    ranks = _Ranks(world)
+    ranks.save(specs, 1)
+    ranks.save(specs, 2, skip={2})  # rank 2's wait for the verdict timed out
+    assert ranks.save(specs, 3) == "re-exchanged"
+    assert ranks.save(specs, 4) == "reused"
 
 
 def test_random_sequences_of_saves_plan_as_a_fresh_exchange_would():
     rng = random.Random(7)
     for world in (2, 3, 4):
-        ex = [PlanExchange() for _ in range(world)]
+        ranks = _Ranks(world)
         layout = {"dtensors": [8 * world, 4 * world], "regular": [3, 6, 2], "only": {}}
         contents = {(r, j): "c" for r in range(world) for j in range(3)}
         hows = set()
@@ -132,7 +191,7 @@ def test_random_sequences_of_saves_plan_as_a_fresh_exchange_would():
             elif what < 0.6:  # a tensor grows
                 layout["regular"][rng.randrange(3)] += 1
             specs = [_rank_specs(r, world, layout, contents) for r in range(world)]
-            hows.add(_save(ex, specs, step))
+            hows.add(ranks.save(specs, step))
         assert hows == {"exchanged", "re-exchanged", "reused"}
 
 
@@ -141,14 +200,15 @@ def test_an_error_on_one_rank_is_raised_everywhere_before_any_reuse():
     layout = {"dtensors": [4], "regular": [2], "only": {}}
     contents = {(r, 0): "c" for r in range(world)}
     specs = [_rank_specs(r, world, layout, contents) for r in range(world)]
-    ex = [PlanExchange() for _ in range(world)]
-    _save(ex, specs, 1)
-    first = [e.value("id2", specs[r] if r == 0 else [], error=None if r == 0 else "bad thing",
-                     aliases=0) for r, e in enumerate(ex)]
-    for r, e in enumerate(ex):
+    ranks = _Ranks(world)
+    ranks.save(specs, 1)
+    values = _json([e.value("id2", specs[r] if r == 0 else [], error=None if r == 0 else
+                            "bad thing", aliases=0) for r, e in enumerate(ranks.ex)])
+    verdict = _json(ranks.ex[0].decide(values))
+    for e in ranks.ex:
         with pytest.raises(fastckpt.errors.UnsupportedStateError, match="rank 1 .*bad thing"):
-            e.resolve(first, r, 2)
-    assert _save(ex, specs, 3) == "reused"  # the failed exchange changed nothing
+            e.apply(verdict, 2)
+    assert ranks.save(specs, 3) == "reused"  # the failed exchange changed nothing
 
 
 # ------------------------------------------------------------------------------- real ranks
@@ -157,7 +217,8 @@ def _saves(rank, world, root):
     torch.manual_seed(0)
     w = torch.nn.Linear(6, 4)
     opt = torch.optim.Adam(w.parameters(), lr=0.1)
-    state = {"model": w, "optim": opt, "pos": 100 * rank, "rng": torch.tensor([rank, 1])}
+    state = {"model": w, "optim": opt, "pos": 100 * rank, "rng": torch.tensor([rank, 1]),
+             "shared": torch.ones(3)}
     hows, want = [], {}
     ckpt = fastckpt.Checkpointer(root)
     for step in range(1, 6):
@@ -165,20 +226,18 @@ def _saves(rank, world, root):
         opt.step()
         state["pos"] = 100 * rank + step
         if step == 3:
-            state["rng"] = torch.tensor([5, 1])  # the same on every rank: replicated now
+            state["shared"] = torch.full((3,), float(rank))  # differs between ranks now
         if step == 4:
             state["extra"] = torch.full((3,), float(step))  # a new tensor: a new layout
         ckpt.save(state, step=step, block=True)
         hows.append(ckpt._plans.how)
-        want[step] = {k: (v.detach().clone() if torch.is_tensor(v) else v)
-                      for k, v in flatten(state).tensors.items()}
+        want[step] = {k: v.detach().clone() for k, v in flatten(state).tensors.items()}
         want[step]["pos"] = state["pos"]
     ckpt.close()
     got = {}
     for step in range(1, 6):
         d = fastckpt.Checkpointer(root).read(step=step)
-        flat = flatten(d).tensors
-        got[step] = {k: v for k, v in flat.items()}
+        got[step] = dict(flatten(d).tensors)
         got[step]["pos"] = d["pos"]
     return hows, want, got
 
@@ -187,8 +246,8 @@ def _saves(rank, world, root):
 def test_real_ranks_reuse_and_every_step_loads_back(tmp_path, world):
     out = run(_saves, world, str(tmp_path / "ckpt"))
     for rank, (hows, want, got) in enumerate(out):
-        # step 3: "rng" turns replicated (per rank before): the lists go again; step 4: a new
-        # tensor; steps 2 and 5: nothing changed but values
+        # step 3: "shared" turns per rank: the lists go again; step 4: a new tensor; steps 2
+        # and 5: nothing changed but values ("rng" is per rank throughout)
         assert hows == ["exchanged", "reused", "re-exchanged", "re-exchanged", "reused"], hows
         for step in range(1, 6):
             assert got[step]["pos"] == 100 * rank + step  # this rank's own skeleton

@@ -6,12 +6,12 @@ Call sequence of ``Engine.save(state, step=s)`` (every rank calls it, collective
    (back-pressure: one staging pool, never a second), re-raising its failure if unreported.
 2. (all ranks, training thread) flatten ``state`` (``state.flatten``): tensors out, plain values
    into a JSON skeleton; unsupported objects raise ``UnsupportedStateError`` here.
-3. (all ranks, training thread) one gather (``Group.gather``) of each rank's layout hash and
-   fingerprints: when no layout changed since the previous save every rank reuses its plan;
-   else (the first save) the chunk lists go in the same gather, or (a changed layout) in a
-   second one, and every rank computes the same plan (``plan.PlanExchange``,
-   ``plan.make_plan``). A rank that could not flatten makes every rank raise: nothing has been
-   written, not even the root. The skeleton stays on the rank until its commit result.
+3. (all ranks, training thread) the plan exchange (``plan.PlanExchange``): each rank's layout
+   hash and fingerprint hash to rank 0 (``Group.decide``), whose verdict says whether every
+   rank reuses its previous plan; if not (the first save, a changed layout) the chunk lists go
+   to every rank (``Group.gather``) and every rank computes the same plan (``plan.make_plan``).
+   A rank that could not flatten makes every rank raise: nothing has been written, not even
+   the root. The skeleton stays on the rank until its commit result.
 4. (all ranks, training thread, first save only) claim the root: it is writable, and
    (coordinator) the writer lease is taken (``fastckpt.lease``); one more gather makes every
    rank raise if a rank could not.
@@ -322,17 +322,17 @@ class Engine:
         busy = self._tier.busy if self._tier is not None else False
         what = f"save of step {step}: the plan exchange"
         common = {"error": error, "aliases": aliases}
-        gathered = self.group.gather(
+        verdict = self.group.decide(
             self._plans.value(uuid.uuid4().hex[:12], specs, up_busy=busy, **common),
-            timeout_s=self._wait_s(deadline), what=what)
+            self._plans.decide, timeout_s=self._wait_s(deadline), what=what)
         # every rank decides alike: upload this step unless an uploader is still busy
-        self._upload_next = not any(g.get("up_busy") for g in gathered)
-        plan = self._plans.resolve(gathered, self.rank, step)
-        if plan is None:  # a layout changed (or a rank missed an exchange): the lists go
+        self._upload_next = not verdict["up_busy"]
+        plan = self._plans.apply(verdict, step)
+        if plan is None:  # the first save, or a layout changed: the chunk lists go
             gathered = self.group.gather(
                 self._plans.full_value(uuid.uuid4().hex[:12], specs, **common),
                 timeout_s=self._wait_s(deadline), what=what + " (the chunk lists)")
-            plan = self._plans.resolve(gathered, self.rank, step)
+            plan = self._plans.resolve_full(gathered, self.rank, step)
         return dataclasses.replace(plan, tree=tree), data
 
     def _claim_root(self, deadline: float | None = None) -> None:

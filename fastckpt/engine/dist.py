@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..errors import CollectiveTimeoutError
+from ..errors import CollectiveTimeoutError, FastCkptError
 
 
 def initialized() -> bool:
@@ -247,6 +247,9 @@ class Exchange:
 
 #: how long rank 0 waits, at most, for the others to read a gather's values
 GATHER_READ_S = 30.0
+#: up to this many ranks, a rank that gets no answer in ``Group.decide`` also names the ranks
+#: whose values are missing (one store command per rank: not done at scale)
+DECIDE_NAME_MAX = 64
 
 
 class Group:
@@ -326,3 +329,81 @@ class Group:
         except StoreUnreachable:
             pass  # every value was read here; the store's own host is gone with the keys
         return out
+
+    def decide(self, value: Any, fn: Any, *, timeout_s: float, what: str) -> Any:
+        """Every rank's ``value`` (JSON-able) to rank 0 only; rank 0 computes ``fn(values)``
+        (values in rank order; the answer JSON-able) and every rank returns that answer.
+        O(N) values through the store where ``gather`` moves O(N^2). Rank 0 answers a little
+        before the others stop waiting (``min(1 s, timeout_s / 10)`` early), so a rank that
+        does not arrive is named on every rank (CollectiveTimeoutError); a rank whose answer
+        does not come names rank 0 and any rank whose value is not there either. An error
+        raised by ``fn`` on rank 0 is raised on every rank."""
+        if self.world_size == 1:
+            return fn([value])
+        self._seq += 1
+        base = f"{self._prefix}/{self._seq}"
+        ex = self.exchange
+        keys = [f"{base}/{r}" for r in range(self.world_size)]
+        answer = f"{base}/answer"
+        t0 = time.monotonic()
+        try:
+            if self.rank == 0:
+                return self._answer(ex, base, keys, value, fn, t0, timeout_s, what)
+            ex.set(keys[self.rank], json.dumps(value).encode())
+            found, missing = ex.wait([answer], t0 + timeout_s)
+            if missing:
+                absent: list = []
+                if self.world_size <= DECIDE_NAME_MAX:  # one check per key: not at scale
+                    _, absent = ex.wait(keys[1:], time.monotonic())
+                ranks = [0] + [r for r, k in enumerate(keys) if k in absent]
+                raise CollectiveTimeoutError(
+                    f"{what}: no answer from rank 0 within {timeout_s:g} s (rank(s) {ranks} "
+                    "did not arrive or died)", missing_ranks=ranks, rank=self.rank)
+            got = json.loads(found[answer])
+            if ex.add(f"{base}/read", 1) == self.world_size - 1:
+                ex.set(f"{base}/done", b"1")
+        except StoreUnreachable as e:
+            raise CollectiveTimeoutError(f"{what}: {e} after {time.monotonic() - t0:.1f} s; "
+                                         f"rank(s) {e.ranks} are lost with it",
+                                         missing_ranks=e.ranks, rank=self.rank) from e
+        if "missing" in got:
+            raise CollectiveTimeoutError(
+                f"{what}: rank(s) {got['missing']} did not arrive within {timeout_s:g} s "
+                "(named by rank 0)", missing_ranks=got["missing"], rank=self.rank)
+        if "error" in got:
+            raise FastCkptError(f"{what}: rank 0 failed: {got['error']}")
+        return got["ok"]
+
+    def _answer(self, ex: "Exchange", base: str, keys: list, value: Any, fn: Any, t0: float,
+                timeout_s: float, what: str) -> Any:
+        """(rank 0, in ``decide``) Wait for the values, answer, clean up."""
+        answer = f"{base}/answer"
+        found, missing = ex.wait(keys[1:], t0 + timeout_s - min(1.0, timeout_s / 10))
+        if missing:
+            ranks = [r for r, k in enumerate(keys) if k in missing]
+            ex.set(answer, json.dumps({"missing": ranks}).encode())
+            ex.delete(list(found))
+            raise CollectiveTimeoutError(
+                f"{what}: rank(s) {ranks} did not arrive within {timeout_s:g} s (every rank "
+                "must call it: a rank that does not, or that died, is named here; for a state "
+                "saved by one process, use collective=False)", missing_ranks=ranks,
+                rank=self.rank)
+        try:
+            out = fn([value] + [json.loads(found[k]) for k in keys[1:]])
+            reply = {"ok": out}
+        except Exception as e:
+            reply, out = {"error": f"{type(e).__name__}: {e}"}, e
+        # the answer first, then the values go: a rank whose answer never comes finds the
+        # values still there and names rank 0 alone
+        ex.set(answer, json.dumps(reply).encode())
+        ex.delete(keys[1:])
+        # the answer stays until every rank has read it (as in gather)
+        try:
+            ex.wait([f"{base}/done"], time.monotonic() + min(timeout_s, GATHER_READ_S))
+            ex.delete([answer, f"{base}/read", f"{base}/done"])
+        except StoreUnreachable:
+            pass
+        if isinstance(out, Exception):
+            raise out
+        return out
+

@@ -1,13 +1,14 @@
-"""The save plan: which rank writes which chunk, agreed from one exchange per save.
+"""The save plan: which rank writes which chunk, agreed from one small exchange per save.
 
 (all ranks, training thread) Each rank lists its chunks (``local_chunks``: a box of a global
-tensor per DTensor shard or whole regular tensor) and sends, in one gather
-(:class:`PlanExchange`), a 128-bit hash of that layout and the content fingerprints of its
-regular tensors. When every rank's layout hash is the one it sent at the previous exchange and
-the fingerprints split the tensors into replicated and per-rank ones as then, every rank reuses
-the previous plan (the common case: the chunk layout of a training state does not change
-between saves, and nobody parses N chunk lists or runs ``make_plan``). Otherwise (the first
-save, a changed layout) the chunk lists themselves are exchanged and every rank computes the
+tensor per DTensor shard or whole regular tensor) and sends rank 0 alone
+(``Group.decide``, :class:`PlanExchange`) a 128-bit hash of that layout and one hash of the
+content fingerprints of its replicated tensors that other ranks hold too. Rank 0 answers every
+rank with one verdict: **reuse** when every layout hash is the one that rank sent at the
+previous exchange and no such tensor differs now between its holders (the common case: the
+chunk layout of a training state does not change between saves; nobody parses N chunk lists
+or runs ``make_plan``, and the store moves O(N) bytes), else **exchange**: the chunk lists go
+to every rank (the first save, a changed layout; ``Group.gather``) and every rank computes the
 same ``SavePlan`` (``make_plan``): the save id (rank 0's proposal), dtype/shape agreement, and
 the writer of each chunk (a chunk several ranks hold is written once, by the least-loaded
 holder, largest chunks first). The plain-value skeletons are not part of the exchange: each
@@ -166,13 +167,21 @@ def make_plan(gathered: list[dict], rank: int, step: int) -> SavePlan:
                     my_chunks=tuple(mine), tensors=tensors, format_version=2 if v2 else 1)
 
 
+def state_errors(values: list[dict]) -> str | None:
+    """The message naming the ranks that could not list their state, or None."""
+    errors = [(r, g["error"]) for r, g in enumerate(values) if g["error"]]
+    if not errors:
+        return None
+    r, msg = errors[0]
+    more = f" (and {len(errors) - 1} more rank(s))" if len(errors) > 1 else ""
+    return f"rank {r} cannot save its state: {msg}{more}"
+
+
 def raise_state_errors(gathered: list[dict]) -> None:
     """(all ranks, after an exchange) Raise if a rank could not list its state, naming it."""
-    errors = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"]]
-    if errors:
-        r, msg = errors[0]
-        more = f" (and {len(errors) - 1} more rank(s))" if len(errors) > 1 else ""
-        raise UnsupportedStateError(f"rank {r} cannot save its state: {msg}{more}")
+    msg = state_errors(gathered)
+    if msg is not None:
+        raise UnsupportedStateError(msg)
 
 
 def layout_hash(specs: list) -> str:
@@ -181,82 +190,138 @@ def layout_hash(specs: list) -> str:
     return xxhash.xxh3_128_hexdigest(json.dumps([list(s[:7]) for s in specs]).encode())
 
 
+def _joint_hash(digests: list) -> str:
+    import xxhash
+    return xxhash.xxh3_128_hexdigest(json.dumps(digests).encode())
+
+
 @dataclass
 class _Reusable:
-    """What one exchange leaves for the next: the same on every rank that took part."""
-    base: str  # the save id of the exchange it came from
+    """What a full exchange leaves for the saves after it: the same on every rank that took
+    part (each computes it from the same gathered lists)."""
+    base: str  # the save id of the last exchange or reuse this rank took part in
+    plan: SavePlan  # this rank's plan
     hashes: list  # per rank: its layout hash
-    shared: dict  # (fqn, offsets) -> [(rank, index in its fingerprints)], >1 holder only
-    per_rank: frozenset  # the shared keys whose fingerprints differed
-    plan: SavePlan
+    #: per rank: (the places in its regular-tensor fingerprints, the keys) of its replicated
+    #: tensors that other ranks hold too: what must still agree for the plan to hold
+    watch: list
+    mine: list  # this rank's places of those
+    #: per rank: the group of ranks holding exactly the same such tensors (None: hold none)
+    group: list
+    #: the values carry one hash of the watched fingerprints (every shared replicated tensor's
+    #: holders are one group), else every regular tensor's fingerprint
+    compact: bool
 
 
 class PlanExchange:
     """The plan exchange of one engine (training thread only; see the module docstring).
 
-    ``value(...)`` is this rank's entry of the first gather of a save; ``resolve(gathered)``
-    returns the plan, or None when the chunk lists must be exchanged (``full_value``, a second
-    gather, then ``resolve`` again). Every rank decides alike from the same gathered values:
-    the reuse needs every rank's entry to name the same previous exchange (``base``), so a rank
-    that missed one (its gather timed out where others' did not) makes everyone exchange the
-    lists again instead of reusing plans that differ.
+    A save: every rank's :meth:`value` goes to rank 0 only (``Group.decide``), whose
+    :meth:`decide` answers every rank with one small verdict; :meth:`apply` turns it into the
+    plan, or None when the chunk lists must be exchanged (:meth:`full_value`, an all-to-all
+    ``Group.gather``, then :meth:`resolve_full`). The verdict is "reuse" only when every rank's
+    value names the same previous exchange (``base``: a rank that missed one, its wait timed out
+    where others' did not, has another), every layout hash is the one that rank sent then, and
+    no replicated tensor that several ranks hold now differs between them (it would be written
+    once for ranks whose copies differ). A tensor that was per rank stays per rank until the
+    next full exchange even if its copies became equal (each rank still writes and loads its
+    own: correct at the same world size, only not reshardable).
     """
 
     def __init__(self) -> None:
         self._last: _Reusable | None = None
-        #: how the last plan was made: "reused", "exchanged" (one gather) or "re-exchanged"
+        #: how the last plan was made: "reused", "exchanged" (the first) or "re-exchanged"
         self.how = ""
 
+    # -- every rank ------------------------------------------------------------------------
     def value(self, save_id: str, specs: list, **extra) -> dict:
-        base = self._last.base if self._last is not None else None
-        out = {"save_id": save_id, "base": base, "hash": layout_hash(specs) if specs else "",
-               "digests": [s[7] for s in specs if not s[6]], **extra}  # regular tensors
-        if base is None:  # nothing to reuse: the lists go at once (no second gather)
-            out["specs"] = specs
+        last = self._last
+        out = {"save_id": save_id, "base": last.base if last is not None else None,
+               "hash": layout_hash(specs) if specs else "", **extra}
+        if last is not None:
+            regular = [s[7] for s in specs if not s[6]]
+            if last.compact:
+                # (an index past the list: the layout changed, the hash says so)
+                watched = [regular[i] if i < len(regular) else None for i in last.mine]
+                out["rep"] = _joint_hash(watched)
+            else:
+                out["digests"] = regular
         return out
+
+    def apply(self, verdict: dict, step: int) -> SavePlan | None:
+        if verdict.get("error"):
+            raise UnsupportedStateError(verdict["error"])
+        if verdict["how"] != "reuse":
+            return None
+        last = self._last
+        assert last is not None  # the coordinator saw this rank's base
+        plan = dataclasses.replace(last.plan, save_id=verdict["save_id"], step=step,
+                                   format_version=verdict["format_version"])
+        last.base = plan.save_id
+        self.how = "reused"
+        return plan
 
     @staticmethod
     def full_value(save_id: str, specs: list, **extra) -> dict:
         return {"save_id": save_id, "specs": specs, **extra}
 
-    def resolve(self, gathered: list[dict], rank: int, step: int) -> SavePlan | None:
-        raise_state_errors(gathered)
-        last = self._last
-        if all("specs" in g for g in gathered):
-            plan = make_plan(gathered, rank, step)
-            self._remember(gathered, plan)
-            self.how = "exchanged" if "hash" in gathered[0] else "re-exchanged"
-            return plan
-        if (last is None or any(g.get("base") != last.base for g in gathered)
-                or [g["hash"] for g in gathered] != last.hashes):
-            return None
-        per_rank = frozenset(key for key, members in last.shared.items()
-                             if len({gathered[r]["digests"][i] for r, i in members}) > 1)
-        if per_rank != last.per_rank:
-            return None
-        v2 = bool(per_rank) or any(g.get("aliases") for g in gathered)
-        plan = dataclasses.replace(last.plan, save_id=gathered[0]["save_id"], step=step,
-                                   format_version=2 if v2 else 1)
-        last.base = plan.save_id
-        self.how = "reused"
+    def resolve_full(self, gathered: list[dict], rank: int, step: int) -> SavePlan:
+        plan = make_plan(gathered, rank, step)
+        self.how = "re-exchanged" if self._last is not None else "exchanged"
+        self._remember(gathered, plan, rank)
         return plan
 
-    def _remember(self, gathered: list[dict], plan: SavePlan) -> None:
-        # the regular tensors held by more than one rank, by their place in each holder's
-        # fingerprint list (DTensor boxes have no fingerprint: they are never per rank)
+    # -- the coordinator ---------------------------------------------------------------------
+    def decide(self, values: list[dict]) -> dict:
+        """(rank 0) The verdict for every rank, from every rank's :meth:`value`."""
+        out = {"up_busy": any(v.get("up_busy") for v in values),
+               "error": state_errors(values), "how": "exchange"}
+        last = self._last
+        if (out["error"] or last is None or any(v["base"] != last.base for v in values)
+                or [v["hash"] for v in values] != last.hashes):
+            return out
+        if last.compact:
+            seen: dict = {}
+            for r, v in enumerate(values):
+                if last.group[r] is not None and seen.setdefault(last.group[r], v["rep"]) != v["rep"]:
+                    return out  # a shared replicated tensor differs now between its holders
+        else:
+            keys: dict = {}
+            for r, v in enumerate(values):
+                d = v["digests"]
+                for key, i in zip(last.watch[r][1], last.watch[r][0]):
+                    if keys.setdefault(key, d[i]) != d[i]:
+                        return out
+        per_rank = any(m.get("per_rank") for m in last.plan.tensors.values())
+        v2 = per_rank or any(v.get("aliases") for v in values)
+        return {**out, "how": "reuse", "save_id": values[0]["save_id"],
+                "format_version": 2 if v2 else 1}
+
+    def _remember(self, gathered: list[dict], plan: SavePlan, rank: int) -> None:
+        # the replicated tensors (not per rank) held by more than one rank, by their place in
+        # each holder's regular-tensor fingerprints (DTensor boxes have none: never per rank)
+        per_rank = {fqn for fqn, m in plan.tensors.items() if m.get("per_rank")}
         holders: dict = {}
-        digests = []
+        places: list = []
         for r, g in enumerate(gathered):
             regular = [s for s in g["specs"] if not s[6]]
-            for j, s in enumerate(regular):
-                holders.setdefault((s[0], tuple(s[3])), []).append((r, j))
-            digests.append([s[7] for s in regular])
-        shared = {k: m for k, m in holders.items() if len(m) > 1}
-        per_rank = frozenset(k for k, m in shared.items()
-                             if len({digests[r][j] for r, j in m}) > 1)
+            places.append({(s[0], tuple(s[3])): j for j, s in enumerate(regular)})
+            for key in places[r]:
+                if key[0] not in per_rank:
+                    holders.setdefault(key, []).append(r)
+        shared = sorted(k for k, rs in holders.items() if len(rs) > 1)
+        watched: list = [[] for _ in gathered]
+        for key in shared:
+            for r in holders[key]:
+                watched[r].append(key)
+        sig: dict = {}
+        group = [sig.setdefault(tuple(w), len(sig)) if w else None for w in watched]
+        compact = all(len({group[r] for r in holders[key]}) == 1 for key in shared)
+        watch = [([places[r][k] for k in watched[r]], watched[r]) for r in range(len(gathered))]
         hashes = [g["hash"] if "hash" in g else layout_hash(g["specs"]) if g["specs"] else ""
                   for g in gathered]
-        self._last = _Reusable(plan.save_id, hashes, shared, per_rank, plan)
+        self._last = _Reusable(plan.save_id, plan, hashes, watch, watch[rank][0], group,
+                               compact)
 
 
 def raise_setup_errors(gathered: list[dict], mine: BaseException | None) -> None:
