@@ -600,12 +600,10 @@ class Worker:
         self.release([e for e, _ in exs])
         return res
 
-    def phase_gather_current(self, i: int, spec: dict) -> dict:
+    def groups(self, spec: dict) -> tuple[list, list]:
+        """A real ``Group`` per simulated rank (each on its own client, one connection warm)
+        and their command counters."""
         from fastckpt.engine.dist import Group
-        payload = spec.get("payload")
-        tree = None
-        if payload is None:  # the realistic 70B entry
-            tree = skeleton_tree()
         groups, counters = [], []
         for r, c in zip(self.ranks, self.clients):
             g = object.__new__(Group)
@@ -614,6 +612,14 @@ class Worker:
             g._exchange, cnt = self.exchange(c, warm=1)
             groups.append(g)
             counters.append(cnt)
+        return groups, counters
+
+    def phase_gather_current(self, i: int, spec: dict) -> dict:
+        payload = spec.get("payload")
+        tree = None
+        if payload is None:  # the realistic 70B entry
+            tree = skeleton_tree()
+        groups, counters = self.groups(spec)
         values = [payload if payload is not None else plan_entry(r, self.world, tree)
                   for r in self.ranks]
 
@@ -627,15 +633,7 @@ class Worker:
     def phase_decide_current(self, i: int, spec: dict) -> dict:
         """fastckpt's real ``Group.decide`` with the real ``PlanExchange.decide`` on rank 0:
         the whole plan exchange of a save whose layout did not change."""
-        from fastckpt.engine.dist import Group
-        groups, counters = [], []
-        for r, c in zip(self.ranks, self.clients):
-            g = object.__new__(Group)
-            g.collective, g.rank, g.world_size = True, r, self.world
-            g._prefix, g._seq = spec["prefix"], 0
-            g._exchange, cnt = self.exchange(c, warm=1)
-            groups.append(g)
-            counters.append(cnt)
+        groups, counters = self.groups(spec)
         plans = reuse_plans(self.world)
 
         def body(j: int, r: int) -> None:

@@ -343,19 +343,21 @@ class Group:
         self._seq += 1
         base = f"{self._prefix}/{self._seq}"
         ex = self.exchange
-        keys = [f"{base}/{r}" for r in range(self.world_size)]
         answer = f"{base}/answer"
         t0 = time.monotonic()
         try:
             if self.rank == 0:
+                keys = [f"{base}/{r}" for r in range(self.world_size)]
                 return self._answer(ex, base, keys, value, fn, t0, timeout_s, what)
-            ex.set(keys[self.rank], json.dumps(value).encode())
+            # (no list of every rank's key here: O(1) work per rank)
+            ex.set(f"{base}/{self.rank}", json.dumps(value).encode())
             found, missing = ex.wait([answer], t0 + timeout_s)
             if missing:
-                absent: list = []
+                ranks = [0]
                 if self.world_size <= DECIDE_NAME_MAX:  # one check per key: not at scale
-                    _, absent = ex.wait(keys[1:], time.monotonic())
-                ranks = [0] + [r for r, k in enumerate(keys) if k in absent]
+                    keys = [f"{base}/{r}" for r in range(1, self.world_size)]
+                    _, absent = ex.wait(keys, time.monotonic())
+                    ranks += [int(k.rsplit("/", 1)[1]) for k in absent]
                 raise CollectiveTimeoutError(
                     f"{what}: no answer from rank 0 within {timeout_s:g} s (rank(s) {ranks} "
                     "did not arrive or died)", missing_ranks=ranks, rank=self.rank)
