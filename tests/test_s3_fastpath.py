@@ -293,6 +293,8 @@ def test_the_lease_on_s3_is_taken_with_conditional_writes(s3, proxy, caplog):
     from fastckpt import WriterLockedError
     from fastckpt.lease import WriterLease
     stores = [_storage(s3, proxy, "lease") for _ in range(4)]
+    for st in stores:  # each client's session is made by its first request: not in the race,
+        st.size(st.join("warm"))  # whose calls are bounded by renew_s (1 s) each
     leases = [WriterLease(st, ttl_s=3, renew_s=1) for st in stores]
     assert all(lease._cond for lease in leases)
     won, lost = [], []
