@@ -67,6 +67,9 @@ from .commit import commit
 from .load import load_into
 
 log = logging.getLogger("fastckpt")
+#: how long a rank waits at a time for the coordinator's choice of the next upload (it
+#: checks between slices whether a preemption froze the tier)
+CHAIN_SLICE_S = 0.25
 
 #: the record in the local root that names its remote tier (no credentials): for the CLI
 TIERS_FILE = fmt.TIERS
@@ -291,8 +294,15 @@ class Tier:
                 job = self._take_deferred(None, until)
                 ex.set(key, json.dumps(None if job is None else job.plan.save_id).encode())
             else:
-                found, _ = ex.wait([key], until)
+                # in slices: a preemption freezes the tier on each rank at its own moment, and
+                # a coordinator frozen before its upload ended names no next step, so a rank
+                # frozen meanwhile stops waiting (its emergency upload is queued behind this)
+                found: dict = {}
+                while key not in found and not self.frozen and time.monotonic() < until:
+                    found, _ = ex.wait([key], min(until, time.monotonic() + CHAIN_SLICE_S))
                 if key not in found:
+                    if self.frozen:
+                        return None
                     log.warning("fastckpt: rank %d: no word from the coordinator on the next "
                                 "upload within %.0f s", self.rank,
                                 self.engine.options.commit_timeout_s)
