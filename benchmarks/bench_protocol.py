@@ -39,6 +39,12 @@ What runs (``current`` = fastckpt's own code, driven with minimal fake engine ob
 * ``decide_current``: the plan exchange of a save whose layout did not change (every save after
   the first): fastckpt's real ``Group.decide`` (every rank's compact value to rank 0 only, one
   verdict back) with the real ``PlanExchange.decide`` answering "reuse" on rank 0.
+* ``assign_current``: the plan exchange of a process's first save or a changed layout (after the
+  verdict round): fastckpt's real ``Group.decide(..., each=True)`` with the real
+  ``PlanExchange.assign`` on rank 0 and ``take`` on every rank (every rank's chunk list to rank 0
+  only, each rank's own part back), with empty chunk lists: the message pattern. With the 70B
+  entries (``assign_realistic``, ``--assign-worlds``, default 8, 32, 64; not with ``--quick``)
+  rank 0 parses N lists of 2892 specs and plans every rank.
 
 Every phase's ``Exchange`` objects are fresh (a phase is a job); the commit and gather phases
 pre-open one dedicated connection per rank before their start (``warm(1)``: what the trigger's
@@ -88,7 +94,7 @@ COMMANDS = {"set": 1, "get": 2, "check": 1, "add": 1, "delete_key": 1, "wait": 1
             "wait_timeout": 1}
 TARGETS = {"consensus_s": 0.5, "idle_cmds_per_s": 2000, "commit_s": 1.0}  # at 4096 ranks
 ALL_PHASES = ("idle_current", "consensus_current", "commit_current", "gather_current",
-              "decide_current")
+              "decide_current", "assign_current")
 #: the all-to-all plan exchange (every rank reads N values): its client side grows as N^2 here
 HEAVY_CURRENT = ("gather_current",)
 QUICK_PHASES = ALL_PHASES
@@ -200,6 +206,10 @@ class Counted:
     def append(self, k: str, v: bytes) -> None:
         self._tick("append", len(k) + len(v))
         self._s.append(k, v)
+
+    def multi_set(self, keys: list[str], vals: list[bytes]) -> None:
+        self._tick("multi_set", sum(map(len, keys)) + sum(map(len, vals)))
+        self._s.multi_set(keys, vals)
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -644,6 +654,29 @@ class Worker:
         self.release([g._exchange for g in groups])
         return res
 
+    def phase_assign_current(self, i: int, spec: dict) -> dict:
+        """fastckpt's real ``Group.decide(each=True)`` with the real ``PlanExchange.assign``
+        on rank 0 and ``take`` on every rank: a full plan exchange (the first save)."""
+        import functools
+
+        from fastckpt.engine.plan import PlanExchange
+        groups, counters = self.groups(spec)
+        tree = skeleton_tree() if spec.get("payload") is None else None
+        values = [PlanExchange.full_value(
+            "0123456789ab", [] if tree is None else plan_entry(r, self.world, tree)["specs"],
+            error=None, aliases=0) for r in self.ranks]
+        plans = [PlanExchange() for _ in self.ranks]
+
+        def body(j: int, r: int) -> None:
+            fn = functools.partial(plans[j].assign, step=1) if r == 0 else None
+            answer = groups[j].decide(values[j], fn, each=True, timeout_s=spec["deadline_s"],
+                                      what="bench")
+            plan = plans[j].take(answer, r, 1)
+            assert plan.world_size == self.world and plans[j].how == "exchanged"
+        res = self.run_ranks(i, spec, body, counters)
+        self.release([g._exchange for g in groups])
+        return res
+
     def serve(self) -> None:
         self.ctl.set(f"ready/{self.wid}", b"1")
         i = 0
@@ -664,7 +697,9 @@ class Worker:
                   "commit_current": self.phase_commit_current,
                   "gather_current": self.phase_gather_current,
                   "plan_realistic": self.phase_gather_current,
-                  "decide_current": self.phase_decide_current}[kind]
+                  "decide_current": self.phase_decide_current,
+                  "assign_current": self.phase_assign_current,
+                  "assign_realistic": self.phase_assign_current}[kind]
             t = time.time()
             res = fn(i, spec)
             res["worker_s"] = round(time.time() - t, 3)
@@ -982,10 +1017,10 @@ def phase_spec(kind: str, world: int, a: argparse.Namespace, tag: str) -> dict:
                                                  "piece": 0, "size": 1 << 30, "chunks": []}]}
         spec["end"] = t0 + a.spread + cap + 8
     else:
-        if kind == "gather_current":
+        if kind in ("gather_current", "assign_current"):
             spec["payload"] = {"save_id": "0123456789ab", "specs": [], "tree": None,
                                "error": None, "aliases": 0}
-        elif kind == "plan_realistic":
+        elif kind in ("plan_realistic", "assign_realistic"):
             spec["payload"] = None
         spec["end"] = t0 + cap + 5
     spec["cap"] = spec["end"] - now + 15  # the driver's wait for the workers (they close)
@@ -1086,8 +1121,8 @@ def ceiling(a: argparse.Namespace, env: dict) -> dict:
 
 
 def plan_cpu(worlds: list[int]) -> dict:
-    """Client-side cost of the current plan exchange's payload: entry size, json.loads of one
-    entry, and the real ``make_plan`` over N entries (every rank runs it)."""
+    """Client-side cost of the plan exchange's payload: entry size, json.loads of one entry,
+    and the real ``make_plan`` over N entries (rank 0 runs it once, on a full exchange)."""
     from fastckpt.engine.plan import make_plan
     tree = skeleton_tree()
     out: dict[str, Any] = {"tensors": len(model_tensors()), "params": param_count()}
@@ -1120,10 +1155,12 @@ def plan_cpu(worlds: list[int]) -> dict:
 
 def reuse_cost(n: int, gathered: list) -> dict:
     """fastckpt's real ``PlanExchange`` with the 70B entries: the first save (the verdict
-    round, then the chunk lists to every rank: each parses N of them and runs ``make_plan``)
-    against a later save whose layout did not change (every rank's compact value to rank 0,
-    whose ``decide`` answers "reuse"). Bytes of one rank's values, rank 0's ``json.loads`` of
-    N values + ``decide``, one rank's own ``value`` (hashing its layout) and ``apply``."""
+    round, then the chunk lists to rank 0 alone, which parses N of them, plans every rank with
+    ``assign`` and answers each rank with its own part, which that rank turns into its plan with
+    ``take``) against a later save whose layout did not change (every rank's compact value to
+    rank 0, whose ``decide`` answers "reuse"). Bytes of one rank's values, rank 0's
+    ``json.loads`` of N values + ``assign`` or ``decide``, one rank's own ``value`` (hashing its
+    layout) and ``apply``."""
     from fastckpt.engine.plan import PlanExchange
     specs = [g["specs"] for g in gathered]
     ex = PlanExchange()
@@ -1131,9 +1168,16 @@ def reuse_cost(n: int, gathered: list) -> dict:
               for r in range(n)]
     t = time.perf_counter()
     got = [json.loads(x) for x in firsts]
-    ex.resolve_full(got, 0, 1)
+    common, parts = ex.assign(got, 1)
     t1 = time.perf_counter()
+    sent = [json.dumps(p).encode() for p in parts]
+    t_enc = time.perf_counter() - t1
+    ex.take((common, parts[0]), 0, 1)
     assert ex.how == "exchanged"
+    other = PlanExchange()
+    t_take = time.perf_counter()
+    other.take((json.loads(json.dumps(common)), json.loads(sent[-1])), n - 1, 1)
+    t_take = time.perf_counter() - t_take
     # every rank's value after the first exchange (each rank's PlanExchange holds the same
     # base and, under FSDP, the same watched places as rank 0's)
     later = [json.dumps(ex.value("0123456789ac", specs[r], error=None, aliases=0)).encode()
@@ -1147,7 +1191,10 @@ def reuse_cost(n: int, gathered: list) -> dict:
     ex.apply(verdict, 2)
     own_s = time.perf_counter() - t4
     return {"first_value_bytes": round(sum(map(len, firsts)) / n),
-            "first_loads_and_plan_s": round(t1 - t, 3),
+            "first_rank0_loads_and_assign_s": round(t1 - t, 3),
+            "first_rank0_encode_parts_s": round(t_enc, 3),
+            "first_part_bytes": round(sum(map(len, sent)) / n),
+            "first_other_rank_take_s": round(t_take, 4),
             "reused_value_bytes": round(sum(map(len, later)) / n),
             "verdict_bytes": len(json.dumps({"ok": verdict})),
             "reused_rank0_loads_and_decide_s": round(t3 - t2, 4),
@@ -1177,19 +1224,21 @@ def manifest_cost(n: int, gathered: list, tree: Any) -> dict:
             "manifest_bytes": got.get("bytes")}
 
 
-def realistic_gather(job: "Job", worlds: list[int], a: argparse.Namespace) -> dict:
-    """The real Group.gather with the 70B entries (~0.7 MB each) at small N."""
+def realistic_gather(job: "Job", worlds: list[int], a: argparse.Namespace,
+                     kind: str = "plan_realistic") -> dict:
+    """The real Group.gather (``plan_realistic``) or the real full plan exchange through rank 0
+    (``assign_realistic``) with the 70B entries (~0.36-0.7 MB each) at small N."""
     out = {}
     for n in worlds:
         job.configure(n)
-        spec = phase_spec("plan_realistic", n, a, f"real{n}")
+        spec = phase_spec(kind, n, a, f"real{n}")
         shift = 2.0 + n / 8  # building the skeleton and the entries
         for k in ("t0", "t_mark", "end", "cap"):
             spec[k] += shift
         res, cpu = job.run(spec, spec["cap"])
         row = summarize_phase("gather", spec, res, cpu, n)
         out[n] = row
-        print(f"plan exchange, realistic entries, N={n}: " + ", ".join(
+        print(f"{kind}, realistic entries, N={n}: " + ", ".join(
             f"{k}={v}" for k, v in row.items() if k not in ("calls", "errors")), flush=True)
     return out
 
@@ -1241,10 +1290,12 @@ def critical_rounds(kind: str, world: int) -> float:
     gather (every rank but 0): last value set + the waits (1), multi_get 2b, add (1): 2 + 2b
       (rank 0 then waits for ``done`` and deletes the N + 2 keys one by one: N + 3 more);
     decide_current: value set + rank 0's wait (1), its multi_get 2b, answer set + waits (1),
-      multi_get (2), add (1)."""
+      multi_get (2), add (1);
+    assign_current: as decide_current, + rank 0's multi_set of the parts before the answer (b),
+      each rank's get of its part (2) and its delete (1): 8 + 3b."""
     b = -(-world // MULTI_GET_BATCH)
     return {"consensus_current": 9, "commit_current": 11 + 2 * b, "gather_current": 2 + 2 * b,
-            "decide_current": 5 + 2 * b}[kind]
+            "decide_current": 5 + 2 * b, "assign_current": 8 + 3 * b}[kind]
 
 
 def _finished(rows: list[dict]) -> list[dict]:
@@ -1276,7 +1327,8 @@ def cluster_model(doc: dict) -> dict:
         if idle:
             m["idle_cmds_per_s"] = C.median(idle)
             m["idle_server_core"] = round(C.median(idle) * c_add, 4)
-        for kind in ("consensus_current", "commit_current", "gather_current", "decide_current"):
+        for kind in ("consensus_current", "commit_current", "gather_current", "decide_current",
+                     "assign_current"):
             rounds = critical_rounds(kind, w)
             cpu = [r["server_cpu_protocol_s"] for r in _finished(run.get(kind, []))
                    if r.get("server_cpu_protocol_s") is not None]
@@ -1418,6 +1470,9 @@ def deployment_model(doc: dict) -> dict:
         "plan_exchange_tiny_s": med("gather_current", "all_have_plan_s"),
         "plan_exchange_tiny_before_s": b64.get("gather_s"),
         "plan_exchange_reused_s": med("decide_current", "all_have_plan_s"),
+        "plan_exchange_first_tiny_s": med("assign_current", "all_have_plan_s"),
+        "plan_exchange_first_realistic": ((doc.get("assign_realistic") or {}).get(64)
+                                          or (doc.get("assign_realistic") or {}).get("64")),
         "plan_exchange_realistic_model": gm,
         "make_plan_and_loads_at_64": mp,
         "manifest_at_64": man,
@@ -1468,6 +1523,7 @@ def print_table(doc: dict) -> None:
             "store CPU cons": med("consensus_current", "server_cpu_protocol_s"),
             "commit ": med("commit_current", "server_cpu_protocol_s"),
             "plan reused s": med("decide_current", "all_have_plan_s"),
+            "plan first s": med("assign_current", "all_have_plan_s"),
         })
     if rows:
         keys = list(rows[0])
@@ -1546,6 +1602,8 @@ def write_png(doc: dict, path: str) -> str | None:
             label="fastckpt now, store CPU + round trips on a cluster")
     ax.plot(*series("decide_current", "all_have_plan_s"), "o-", c="C2",
             label="fastckpt now, plan reused: Group.decide (values to rank 0 only)")
+    ax.plot(*series("assign_current", "all_have_plan_s"), "o-", c="C3",
+            label="fastckpt now, first save: Group.decide(each=True), tiny lists")
     gm = doc.get("gather_model") or {}
     if gm:
         xs = sorted(int(k) for k in gm)
@@ -1580,7 +1638,9 @@ def main() -> None:
     p.add_argument("--cap", type=float, default=None, help="cap per phase (s)")
     p.add_argument("--spread", type=float, default=0.5,
                    help="commit: the ranks finish writing over this many seconds")
-    p.add_argument("--plan-worlds", default=None, help="N for the realistic plan exchange")
+    p.add_argument("--plan-worlds", default=None, help="N for the realistic all-to-all gather")
+    p.add_argument("--assign-worlds", default=None,
+                   help="N for the realistic full plan exchange through rank 0")
     p.add_argument("--no-dns-shim", action="store_true")
     p.add_argument("--json", default=os.path.join(REPO_ROOT, "bench-out", "protocol.json"))
     p.add_argument("--png", default=os.path.join(REPO_ROOT, "bench-out", "protocol.png"))
@@ -1612,6 +1672,8 @@ def main() -> None:
                           ).split(",") if x]
     plan_worlds = [int(x) for x in (a.plan_worlds if a.plan_worlds is not None else
                                     ("" if a.quick else "4,8,16")).split(",") if x]
+    assign_worlds = [int(x) for x in (a.assign_worlds if a.assign_worlds is not None else
+                                      ("" if a.quick else "8,32,64")).split(",") if x]
     env = C.child_env(REPO_ROOT)
     env["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # a timed-out c10d wait logs warnings
     shim = None if a.no_dns_shim else build_shim()
@@ -1642,6 +1704,8 @@ def main() -> None:
                 doc["plan_realistic"] = realistic_gather(job, plan_worlds, a)
             doc["gather_model"] = gather_model(doc["plan_payload"], doc["ceiling"],
                                                sorted(set(plan_worlds + worlds)))
+        if "assign_current" in phases and not a.quick and assign_worlds:
+            doc["assign_realistic"] = realistic_gather(job, assign_worlds, a, "assign_realistic")
         for w in worlds:
             job, doc["runs"][str(w)] = run_world(job, w, a, env, phases, last=w == worlds[-1])
         doc["cluster_model"] = cluster_model(doc)

@@ -71,7 +71,8 @@ class _Ranks:
         if plans[0] is None:
             full = _json([e.full_value(f"id{step}b", specs_of[r], error=None, aliases=0)
                           for r, e in enumerate(ex)])
-            plans = [e.resolve_full(full, r, step) for r, e in enumerate(ex)]
+            common, parts = _json(ex[0].assign(full, step))  # rank 0 alone plans
+            plans = [e.take((common, parts[r]), r, step) for r, e in enumerate(ex)]
         hows = {e.how for e in ex}
         assert len(hows) == 1, hows
         how = hows.pop()
@@ -84,8 +85,10 @@ class _Ranks:
         fresh = self._fresh(specs_of, self.sticky)
         for r, p in enumerate(plans):
             want = make_plan(fresh, r, step)
-            assert (p.my_chunks, p.tensors, p.format_version, p.step) == (
-                want.my_chunks, want.tensors, want.format_version, want.step), (r, step)
+            assert (p.my_chunks, p.format_version, p.step, p.world_size) == (
+                want.my_chunks, want.format_version, want.step, want.world_size), (r, step)
+            # (the tensor table is the coordinator's: it writes the manifest)
+            assert p.tensors == (want.tensors if r == 0 else {}), (r, step)
             assert p.save_id == plans[0].save_id
         return how
 
@@ -255,3 +258,95 @@ def test_real_ranks_reuse_and_every_step_loads_back(tmp_path, world):
             for k, v in want[step].items():
                 if torch.is_tensor(v):
                     assert torch.equal(got[step][k], v), (rank, step, k)
+
+
+def test_the_coordinators_plan_writes_each_chunk_once_by_a_holder_and_balances():
+    """make_plans (rank 0 alone plans every rank): a chunk one rank holds is that rank's; a
+    replicated chunk several hold is written by exactly one of them, the least loaded; a
+    per-rank tensor by every holder; rank 0's own value (tuples, not through JSON) agrees
+    with the others' (lists); a disagreement names the rank."""
+    from fastckpt.engine.plan import make_plans
+    rng = random.Random(7)
+    for trial in range(30):
+        world = rng.choice([2, 3, 4, 7])
+        layout = {"dtensors": [world * rng.randint(1, 9) for _ in range(rng.randint(0, 3))],
+                  "regular": [rng.randint(1, 500) for _ in range(rng.randint(1, 12))],
+                  "only": {}}
+        per = {j for j in range(len(layout["regular"])) if rng.random() < 0.2}
+        contents = {(r, j): (f"p{r}" if j in per else "same")
+                    for r in range(world) for j in range(len(layout["regular"]))}
+        specs = [_rank_specs(r, world, layout, contents) for r in range(world)]
+        values = [{"save_id": "s", "specs": specs[0], "error": None, "aliases": 0}]
+        values += _json([{"save_id": "s", "specs": specs[r], "error": None, "aliases": 0}
+                         for r in range(1, world)])
+        rows, plan = make_plans(values, 3)
+        assert plan.world_size == world and plan.step == 3
+        written: dict = {}
+        for r in range(world):
+            assert all(row[7] is None for row in rows[r])
+            for row in rows[r]:
+                written.setdefault((row[0], tuple(row[3])), []).append(r)
+        for j, n in enumerate(layout["regular"]):
+            who = written[(f"r{j}", (0,))]
+            assert who == (list(range(world)) if j in per else who[:1]), (trial, j, who)
+            assert plan.tensors[f"r{j}"].get("per_rank", False) == (j in per)
+        for i, rows_n in enumerate(layout["dtensors"]):
+            step_rows = rows_n // world
+            for r in range(world):
+                assert written[(f"w{i}", (r * step_rows, 0))] == [r]
+        load = [sum(row[5] for row in rows[r]) for r in range(world)]
+        biggest = max([n * 4 for n in layout["regular"]], default=0)
+        assert max(load) - min(load) <= biggest + sum(
+            n * 4 for j, n in enumerate(layout["regular"]) if j in per), (trial, load)
+    bad = _json([{"save_id": "s", "specs": [_spec("x", (4,), (0,), (4,), False, "a")],
+                  "error": None, "aliases": 0},
+                 {"save_id": "s", "specs": [_spec("x", (5,), (0,), (5,), False, "a")],
+                  "error": None, "aliases": 0}])
+    with pytest.raises(fastckpt.UnsupportedStateError, match=r"'x'.*rank 1"):
+        make_plans(bad, 1)
+
+
+def _agreements(rank, world, root):
+    """The first save's claim of the root and the load's agreement, both through rank 0 alone
+    (``Group.decide``) now: a held lease fails on rank 0 and is named on the others; a rank
+    whose state does not fit the checkpoint fails with its own error, the others name it."""
+    import torch.distributed as tdist
+    from fastckpt.errors import FastCkptError, WriterLockedError
+    from fastckpt.lease import WriterLease
+    from fastckpt.storage import open_storage
+    held = None
+    if rank == 0:
+        held = WriterLease(open_storage(root), ttl_s=60, renew_s=15).acquire()
+    tdist.barrier()
+    out = {}
+    ck = fastckpt.Checkpointer(root)
+    try:
+        ck.save({"w": torch.arange(4.0)}, step=1, block=True)
+        out["locked"] = None
+    except WriterLockedError as e:
+        out["locked"] = str(e)
+    ck.close()
+    if held is not None:
+        held.release()
+    tdist.barrier()
+    ck = fastckpt.Checkpointer(root)
+    ck.save({"w": torch.arange(4.0)}, step=2, block=True)
+    state = {"w": torch.zeros(5 if rank == 1 else 4)}
+    try:
+        ck.load(state)
+        out["load"] = None
+    except FastCkptError as e:
+        out["load"] = f"{type(e).__name__}: {e}"
+    ck.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_claiming_the_root_and_the_load_agreement_name_the_failing_rank(tmp_path, world):
+    out = run(_agreements, world, str(tmp_path / "ckpt"))
+    assert "rank 0 cannot save" not in out[0]["locked"]  # its own error on rank 0
+    for r in range(1, world):
+        assert out[r]["locked"].startswith("rank 0 cannot save: "), out[r]
+    assert "rank 1" not in out[1]["load"] and "w" in out[1]["load"], out[1]
+    for r in (0, *range(2, world)):
+        assert "load failed on other ranks: rank 1: " in out[r]["load"], out[r]

@@ -282,6 +282,39 @@ def test_decide_sends_the_values_to_rank_0_only_and_names_the_missing(store):
                for r, o in out.items() if r), out
 
 
+def test_decide_each_sends_every_rank_its_own_part_only(store):
+    """Group.decide(each=True) (the full plan exchange: rank 0 plans every rank): rank r gets
+    the common answer and parts[r], no rank reads another's part, nothing is left in the
+    store, O(1) commands per rank (rank 0's parts go in one multi_set); a wrong number of
+    parts is an error raised on every rank."""
+    world = 5
+    groups = _groups(store, world, "decide/each")
+    keys0 = store.num_keys()
+    log: list = []
+    for g in groups:
+        g._exchange._store = Counting(g._exchange._store, log)
+
+    def plan(vs):
+        return {"n": len(vs)}, [{"mine": v["r"] * 10} for v in vs]
+    out, _ = _threads(world, lambda r: groups[r].decide(
+        {"r": r}, plan, each=True, timeout_s=10, what="t"))
+    for r, o in out.items():
+        assert tuple(o) == ({"n": world}, {"mine": r * 10}), (r, o)
+    assert store.num_keys() == keys0
+    assert sum(c == "multi_set" for _, c in log) == 1
+    assert len(log) <= 9 * world + 12, [c for _, c in log]
+    groups = _groups(store, world, "decide/each-bad")
+    out, _ = _threads(world, lambda r: groups[r].decide(
+        r, lambda vs: ({}, [1]), each=True, timeout_s=5, what="plan"))
+    assert all(isinstance(o, fastckpt.errors.FastCkptError) or isinstance(o, ValueError)
+               for o in out.values()), out
+    assert all("1 parts for 5 ranks" in str(o) for o in out.values()), out
+    # one rank: no store at all
+    g1 = _dist.Group(collective=False)
+    assert g1.decide(7, lambda vs: ("c", [vs[0] + 1]), each=True, timeout_s=1, what="t") == \
+        ("c", 8)
+
+
 def test_a_dead_store_names_the_ranks_lost_with_it(monkeypatch):
     """The store's host gone: every wait raises StoreUnreachable naming the ranks that go with
     it: rank 0, or under torchrun (agent store) node 0's ranks."""

@@ -9,12 +9,13 @@ Call sequence of ``Engine.save(state, step=s)`` (every rank calls it, collective
 3. (all ranks, training thread) the plan exchange (``plan.PlanExchange``): each rank's layout
    hash and fingerprint hash to rank 0 (``Group.decide``), whose verdict says whether every
    rank reuses its previous plan; if not (the first save, a changed layout) the chunk lists go
-   to every rank (``Group.gather``) and every rank computes the same plan (``plan.make_plan``).
+   to rank 0 alone, which plans every rank (``plan.make_plans``) and sends each its own part
+   (``Group.decide(..., each=True)``).
    A rank that could not flatten makes every rank raise: nothing has been written, not even
    the root. The skeleton stays on the rank until its commit result.
 4. (all ranks, training thread, first save only) claim the root: it is writable, and
-   (coordinator) the writer lease is taken (``fastckpt.lease``); one more gather makes every
-   rank raise if a rank could not.
+   (coordinator) the writer lease is taken (``fastckpt.lease``); one more ``Group.decide``
+   (statuses to rank 0, its list of failures back) makes every rank raise if a rank could not.
 5. (all ranks, training thread) split the rank's chunks into shard files and stage them into
    the reusable pool (or, for a blocking save, plan them to be written straight from the
    tensors: zero-copy); ``save`` returns: the handle is *staged*.
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -51,7 +53,8 @@ from . import device as _device
 from . import dist as _dist
 from .handle import SaveHandle
 from .load import load_into
-from .plan import PlanExchange, check_user_meta, local_chunks, raise_setup_errors
+from .plan import (PlanExchange, check_user_meta, local_chunks, raise_setup_errors,
+                   setup_failures)
 from .compress import Compression
 from .tiering import Tier
 from .staging import (StagingPool, first_piece_bytes, gather_piece, piece_bytes, split,
@@ -328,11 +331,12 @@ class Engine:
         # every rank decides alike: upload this step unless an uploader is still busy
         self._upload_next = not verdict["up_busy"]
         plan = self._plans.apply(verdict, step)
-        if plan is None:  # the first save, or a layout changed: the chunk lists go
-            gathered = self.group.gather(
+        if plan is None:  # the first save, or a layout changed: the chunk lists go to rank 0
+            answer = self.group.decide(
                 self._plans.full_value(uuid.uuid4().hex[:12], specs, **common),
+                functools.partial(self._plans.assign, step=step), each=True,
                 timeout_s=self._wait_s(deadline), what=what + " (the chunk lists)")
-            plan = self._plans.resolve_full(gathered, self.rank, step)
+            plan = self._plans.take(answer, self.rank, step)
         return dataclasses.replace(plan, tree=tree), data
 
     def _claim_root(self, deadline: float | None = None) -> None:
@@ -349,10 +353,12 @@ class Engine:
             if self.world_size == 1:
                 raise
             error = e
-        statuses = self.group.gather(
+        # (to rank 0 alone, which answers with the failures: O(N) where a gather is O(N^2))
+        failures = self.group.decide(
             {"setup": None if error is None else [type(error).__name__, str(error)]},
-            timeout_s=self._wait_s(deadline), what="first save: claiming the root")
-        raise_setup_errors(statuses, error)
+            setup_failures, timeout_s=self._wait_s(deadline),
+            what="first save: claiming the root")
+        raise_setup_errors(failures, error)
         self._claimed = True
 
     def _split(self, plan: Any, data: dict, zero_copy: bool) -> Any:

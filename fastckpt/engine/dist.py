@@ -214,6 +214,17 @@ class Exchange:
         found = [k for k in keys if k not in missing]
         return dict(zip(found, self.get_many(found))), missing
 
+    def set_many(self, keys: list[str], values: list[bytes]) -> None:
+        """Set many keys, in batches of MULTI_GET_BATCH (one command each)."""
+        if self._store is None:
+            with self._cond:
+                self._local.update(zip(keys, values))  # type: ignore[union-attr]
+                self._cond.notify_all()
+            return
+        for i in range(0, len(keys), MULTI_GET_BATCH):
+            self._call(self._store.multi_set, keys[i:i + MULTI_GET_BATCH],
+                       values[i:i + MULTI_GET_BATCH])
+
     def get_many(self, keys: list[str]) -> list[bytes]:
         """The values of keys known to exist, in batches of MULTI_GET_BATCH."""
         if self._store is None:
@@ -330,16 +341,21 @@ class Group:
             pass  # every value was read here; the store's own host is gone with the keys
         return out
 
-    def decide(self, value: Any, fn: Any, *, timeout_s: float, what: str) -> Any:
+    def decide(self, value: Any, fn: Any, *, timeout_s: float, what: str,
+               each: bool = False) -> Any:
         """Every rank's ``value`` (JSON-able) to rank 0 only; rank 0 computes ``fn(values)``
         (values in rank order; the answer JSON-able) and every rank returns that answer.
-        O(N) values through the store where ``gather`` moves O(N^2). Rank 0 answers a little
+        O(N) values through the store where ``gather`` moves O(N^2). ``each``: ``fn`` returns
+        ``(common, parts)``, one part per rank, and rank r returns ``(common, parts[r])``
+        (rank 0 publishes each part under its own key before the common answer; each rank
+        reads and deletes its own). Rank 0 answers a little
         before the others stop waiting (``min(1 s, timeout_s / 10)`` early), so a rank that
         does not arrive is named on every rank (CollectiveTimeoutError); a rank whose answer
         does not come names rank 0 and any rank whose value is not there either. An error
         raised by ``fn`` on rank 0 is raised on every rank."""
         if self.world_size == 1:
-            return fn([value])
+            out = fn([value])
+            return (out[0], out[1][0]) if each else out
         self._seq += 1
         base = f"{self._prefix}/{self._seq}"
         ex = self.exchange
@@ -348,7 +364,7 @@ class Group:
         try:
             if self.rank == 0:
                 keys = [f"{base}/{r}" for r in range(self.world_size)]
-                return self._answer(ex, base, keys, value, fn, t0, timeout_s, what)
+                return self._answer(ex, base, keys, value, fn, t0, timeout_s, what, each)
             # (no list of every rank's key here: O(1) work per rank)
             ex.set(f"{base}/{self.rank}", json.dumps(value).encode())
             found, missing = ex.wait([answer], t0 + timeout_s)
@@ -362,6 +378,10 @@ class Group:
                     f"{what}: no answer from rank 0 within {timeout_s:g} s (rank(s) {ranks} "
                     "did not arrive or died)", missing_ranks=ranks, rank=self.rank)
             got = json.loads(found[answer])
+            if each and "ok" in got:  # (published before the answer: it is there)
+                part = f"{answer}/{self.rank}"
+                got["ok"] = (got["ok"], json.loads(ex.get(part)))
+                ex.delete([part])
             if ex.add(f"{base}/read", 1) == self.world_size - 1:
                 ex.set(f"{base}/done", b"1")
         except StoreUnreachable as e:
@@ -377,7 +397,7 @@ class Group:
         return got["ok"]
 
     def _answer(self, ex: "Exchange", base: str, keys: list, value: Any, fn: Any, t0: float,
-                timeout_s: float, what: str) -> Any:
+                timeout_s: float, what: str, each: bool) -> Any:
         """(rank 0, in ``decide``) Wait for the values, answer, clean up."""
         answer = f"{base}/answer"
         found, missing = ex.wait(keys[1:], t0 + timeout_s - min(1.0, timeout_s / 10))
@@ -392,7 +412,18 @@ class Group:
                 rank=self.rank)
         try:
             out = fn([value] + [json.loads(found[k]) for k in keys[1:]])
-            reply = {"ok": out}
+            if each:
+                common, parts = out
+                if len(parts) != self.world_size:
+                    raise ValueError(f"{len(parts)} parts for {self.world_size} ranks")
+                ex.set_many([f"{answer}/{r}" for r in range(1, self.world_size)],
+                            [json.dumps(p).encode() for p in parts[1:]])
+                out = (common, parts[0])
+                reply = {"ok": common}
+            else:
+                reply = {"ok": out}
+        except StoreUnreachable:
+            raise
         except Exception as e:
             reply, out = {"error": f"{type(e).__name__}: {e}"}, e
         # the answer first, then the values go: a rank whose answer never comes finds the

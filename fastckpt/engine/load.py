@@ -120,22 +120,23 @@ def _load_once(storage: Storage, state: dict | None, *, step: int | None, verify
     except BaseException as e:
         err = e
     # agree before the collective read: one rank's problem must not hang the others
-    statuses = group.gather(
+    # (to rank 0 alone, which answers with the summary: O(N) where a gather is O(N^2))
+    agreed = group.decide(
         [found_step, None if err is None else f"{type(err).__name__}: {err}",
-         isinstance(err, StepRemovedError)], timeout_s=timeout_s,
+         isinstance(err, StepRemovedError)], _agreement, timeout_s=timeout_s,
         what="load: the agreement before the collective read")
-    steps = {s for s, _, _ in statuses}
-    if step is None and ((len(steps) > 1 and None not in steps)
-                         or any(removed for _, _, removed in statuses)):
+    steps = agreed["steps"]
+    if step is None and ((len(steps) > 1 and None not in steps) or agreed["removed"]):
         # a writer committed (and retention removed) between the ranks' listings
         raise StepRemovedError(f"the newest step changed while the ranks looked for it (ranks "
                                f"found steps {sorted(map(str, steps))})", rank=rank) from err
     if err is not None:
         raise err
-    bad = [(r, m) for r, (_, m, _) in enumerate(statuses) if m]
-    if bad:
+    bad, n_bad = agreed["bad"], agreed["n_bad"]
+    if n_bad:
+        more = f"; and {n_bad - len(bad)} more rank(s)" if n_bad > len(bad) else ""
         raise FastCkptError("load failed on other ranks: " +
-                            "; ".join(f"rank {r}: {m}" for r, m in bad))
+                            "; ".join(f"rank {r}: {m}" for r, m in bad) + more)
     assert plan is not None and reader is not None and found_step is not None
     if world == 1 and _read_whole_tensors(reader, plan.targets):
         for fn in plan.finish:
@@ -206,3 +207,17 @@ def _read_whole_tensors(reader: FastCkptReader, targets: dict) -> bool:
     reader.set_up_storage_reader(reader.read_metadata(), True)
     reader.read_data(LoadPlan(items), _Resolver(targets)).wait()
     return True
+
+
+#: at most this many ranks' load errors travel in the agreement's answer
+AGREE_NAMED_MAX = 8
+
+
+def _agreement(statuses: list) -> dict:
+    """(rank 0, ``Group.decide``) What every rank needs of the ranks' load statuses
+    ``[found step, error or None, step removed]``: the distinct steps found, whether a step
+    was removed under a rank, and the first ranks that failed with their errors."""
+    bad = [[r, m] for r, (_, m, _) in enumerate(statuses) if m]
+    return {"steps": list(dict.fromkeys(s for s, _, _ in statuses)),
+            "removed": any(removed for _, _, removed in statuses),
+            "bad": bad[:AGREE_NAMED_MAX], "n_bad": len(bad)}

@@ -1,18 +1,19 @@
 """The save plan: which rank writes which chunk, agreed from one small exchange per save.
 
 (all ranks, training thread) Each rank lists its chunks (``local_chunks``: a box of a global
-tensor per DTensor shard or whole regular tensor) and sends rank 0 alone
-(``Group.decide``, :class:`PlanExchange`) a 128-bit hash of that layout and one hash of the
-content fingerprints of its replicated tensors that other ranks hold too. Rank 0 answers every
-rank with one verdict: **reuse** when every layout hash is the one that rank sent at the
-previous exchange and no such tensor differs now between its holders (the common case: the
-chunk layout of a training state does not change between saves; nobody parses N chunk lists
-or runs ``make_plan``, and the store moves O(N) bytes), else **exchange**: the chunk lists go
-to every rank (the first save, a changed layout; ``Group.gather``) and every rank computes the
-same ``SavePlan`` (``make_plan``): the save id (rank 0's proposal), dtype/shape agreement, and
-the writer of each chunk (a chunk several ranks hold is written once, by the least-loaded
-holder, largest chunks first). The plain-value skeletons are not part of the exchange: each
-rank sends its own to the coordinator with its commit result (fastckpt/engine/writer.py).
+tensor per DTensor shard or whole regular tensor) and sends rank 0 alone (``Group.decide``,
+:class:`PlanExchange`) a 128-bit hash of that layout and one hash of the content fingerprints
+of its replicated tensors that other ranks hold too. Rank 0 answers every rank with one
+verdict: **reuse** when every layout hash is the one that rank sent at the previous exchange
+and no such tensor differs now between its holders (the common case: the chunk layout of a
+training state does not change between saves; nobody parses N chunk lists or runs
+``make_plan``, and the store moves O(N) bytes), else **exchange**: every rank sends its chunk
+list to rank 0 alone (the first save, a changed layout), which computes the plan once
+(``make_plans``): the save id (rank 0's proposal), dtype/shape agreement, and the writer of
+each chunk (a chunk several ranks hold is written once, by the least-loaded holder, largest
+chunks first); each rank receives only its own part (``Group.decide(..., each=True)``). The
+plain-value skeletons are not part of the exchange: each rank sends its own to the coordinator
+with its commit result (fastckpt/engine/writer.py).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class SavePlan:
     step: int
     world_size: int
     my_chunks: tuple  # ChunkSpecs this rank writes, in key order
-    tensors: dict  # fqn -> {"dtype", "shape", "dtensor"}
+    tensors: dict  # fqn -> {"dtype", "shape", "dtensor"}: on the coordinator; {} elsewhere
     tree: object = None  # this rank's skeleton (sent to the coordinator with its result)
     pieces: tuple = ()  # this rank's shard files (staging.Piece), set by Checkpointer.save
     #: 2 when the manifest uses what format 1 readers do not know (ties, per-rank tensors)
@@ -123,48 +124,85 @@ def local_chunks(tensors: dict[str, torch.Tensor], *, digests: bool = False
     return specs, data
 
 
-def make_plan(gathered: list[dict], rank: int, step: int) -> SavePlan:
-    """The global plan, computed identically on every rank from everyone's chunk lists."""
+def make_plans(gathered: list[dict], step: int) -> tuple[list[list], SavePlan]:
+    """(the coordinator) The global plan from everyone's chunk lists, computed once: per rank,
+    the spec rows (JSON lists, fingerprints dropped) of the chunks it writes, in key order; and
+    rank 0's own :class:`SavePlan` (with the tensor table only the coordinator needs).
+
+    A regular tensor whose content differs between the ranks holding it (an RNG state, a
+    per-rank buffer) is per rank: every holder writes its own and loads its own back. Every
+    other chunk is written once: a chunk only one rank holds (a DTensor shard) by that rank; a
+    chunk several hold, largest first, by the least-loaded holder once the single-holder bytes
+    are counted."""
     raise_state_errors(gathered)
-    tensors: dict[str, dict] = {}
+    metas: dict[str, tuple] = {}
     holders: dict[tuple, list[int]] = {}
     digests: dict[tuple, set] = {}
-    spec_of: dict[tuple, ChunkSpec] = {}
+    own: list[dict] = []  # per rank: key -> its spec row
     for r, g in enumerate(gathered):
-        for s in g["specs"]:  # tuples arrive as JSON lists
-            fqn, dtype, shape, offsets, sizes, nbytes, dtensor, dig = s
-            s = ChunkSpec(fqn, dtype, tuple(shape), tuple(offsets), tuple(sizes), nbytes,
-                          dtensor, dig)
-            meta = {"dtype": s.dtype, "shape": list(s.shape), "dtensor": s.dtensor}
-            prev = tensors.setdefault(s.fqn, meta)
+        rows: dict = {}
+        for s in g["specs"]:  # [fqn, dtype, shape, offsets, sizes, nbytes, dtensor, digest]
+            fqn = s[0]
+            meta = (s[1], tuple(s[2]), s[6])
+            prev = metas.setdefault(fqn, meta)
             if prev != meta:
                 raise UnsupportedStateError(
-                    f"ranks disagree on tensor {s.fqn!r}: {prev} on an earlier rank, {meta} on "
-                    f"rank {r}")
-            key = (s.fqn, s.offsets)
-            holders.setdefault(key, []).append(r)
-            digests.setdefault(key, set()).add(s.digest)
-            if r == rank or key not in spec_of:
-                spec_of[key] = s
-    # a regular tensor whose content differs between the ranks holding it (an RNG state, a
-    # per-rank buffer) is per rank: every holder writes its own, each rank loads its own back
+                    f"ranks disagree on tensor {fqn!r}: {_meta(prev)} on an earlier rank, "
+                    f"{_meta(meta)} on rank {r}")
+            key = (fqn, tuple(s[3]))
+            hs = holders.get(key)
+            if hs is None:
+                holders[key] = [r]
+                digests[key] = {s[7]}
+            else:
+                hs.append(r)
+                digests[key].add(s[7])
+            rows[key] = s
+        own.append(rows)
     per_rank = {key for key, ds in digests.items() if len(ds) > 1}
+    tensors = {fqn: _meta(m) for fqn, m in metas.items()}
     for fqn, _ in per_rank:
         tensors[fqn]["per_rank"] = True
-    load = [0] * len(gathered)
-    mine = [spec_of[key] for key in per_rank if rank in holders[key]]
-    # largest first, each to the least-loaded holder: replicated chunks are written once
-    for key in sorted(set(spec_of) - per_rank, key=lambda k: (-spec_of[k].nbytes, k[0], k[1])):
+    n = len(gathered)
+    chunks: list[list] = [[] for _ in range(n)]
+    load = [0] * n
+    shared = []
+    for key, hs in holders.items():
+        if key in per_rank:
+            for r in hs:
+                chunks[r].append(key)
+        elif len(hs) == 1:
+            chunks[hs[0]].append(key)
+            load[hs[0]] += own[hs[0]][key][5]
+        else:
+            shared.append(key)
+    for key in sorted(shared, key=lambda k: (-own[holders[k][0]][k][5], k[0], k[1])):
         writer = min(holders[key], key=lambda r: (load[r], r))
-        load[writer] += spec_of[key].nbytes
-        if writer == rank:
-            mine.append(spec_of[key])
+        load[writer] += own[writer][key][5]
+        chunks[writer].append(key)
     # (the fingerprints served the split above; a reused plan must not carry stale ones)
-    mine = sorted((dataclasses.replace(s, digest=None) for s in mine),
-                  key=lambda s: (s.fqn, s.offsets))
+    rows = [[list(own[r][k][:7]) + [None] for k in sorted(chunks[r])] for r in range(n)]
     v2 = bool(per_rank) or any(g.get("aliases") for g in gathered)
-    return SavePlan(save_id=gathered[0]["save_id"], step=step, world_size=len(gathered),
-                    my_chunks=tuple(mine), tensors=tensors, format_version=2 if v2 else 1)
+    plan = SavePlan(save_id=gathered[0]["save_id"], step=step, world_size=n,
+                    my_chunks=_chunk_specs(rows[0]), tensors=tensors,
+                    format_version=2 if v2 else 1)
+    return rows, plan
+
+
+def _meta(m: tuple) -> dict:
+    return {"dtype": m[0], "shape": list(m[1]), "dtensor": m[2]}
+
+
+def _chunk_specs(rows: list) -> tuple:
+    return tuple(ChunkSpec(s[0], s[1], tuple(s[2]), tuple(s[3]), tuple(s[4]), s[5], s[6])
+                 for s in rows)
+
+
+def make_plan(gathered: list[dict], rank: int, step: int) -> SavePlan:
+    """One rank's plan as :func:`make_plans` makes it (tests, benchmarks: the engine has the
+    coordinator compute it once and send each rank its part, ``PlanExchange.assign``)."""
+    rows, plan = make_plans(gathered, step)
+    return dataclasses.replace(plan, my_chunks=_chunk_specs(rows[rank]))
 
 
 def state_errors(values: list[dict]) -> str | None:
@@ -218,19 +256,21 @@ class PlanExchange:
 
     A save: every rank's :meth:`value` goes to rank 0 only (``Group.decide``), whose
     :meth:`decide` answers every rank with one small verdict; :meth:`apply` turns it into the
-    plan, or None when the chunk lists must be exchanged (:meth:`full_value`, an all-to-all
-    ``Group.gather``, then :meth:`resolve_full`). The verdict is "reuse" only when every rank's
-    value names the same previous exchange (``base``: a rank that missed one, its wait timed out
-    where others' did not, has another), every layout hash is the one that rank sent then, and
-    no replicated tensor that several ranks hold now differs between them (it would be written
-    once for ranks whose copies differ). A tensor that was per rank stays per rank until the
-    next full exchange even if its copies became equal (each rank still writes and loads its
-    own: correct at the same world size, only not reshardable).
+    plan, or None when the chunk lists must go to rank 0 (:meth:`full_value`), whose
+    :meth:`assign` plans every rank and answers each with its part (:meth:`take`). The verdict
+    is "reuse" only when every rank's value names the same previous exchange (``base``: a rank
+    that missed one, its wait timed out where others' did not, has another), every layout hash
+    is the one that rank sent then, and no replicated tensor that several ranks hold now
+    differs between them (it would be written once for ranks whose copies differ). A tensor
+    that was per rank stays per rank until the next full exchange even if its copies became
+    equal (each rank still writes and loads its own: correct at the same world size, only not
+    reshardable).
     """
 
     def __init__(self) -> None:
         self._last: _Reusable | None = None
         self._layout: tuple = ((), "")  # this rank's last layout and its hash
+        self._made: tuple | None = None  # (rank 0) the plan assign made, until take
         #: how the last plan was made: "reused", "exchanged" (the first) or "re-exchanged"
         self.how = ""
 
@@ -274,10 +314,20 @@ class PlanExchange:
     def full_value(save_id: str, specs: list, **extra) -> dict:
         return {"save_id": save_id, "specs": specs, **extra}
 
-    def resolve_full(self, gathered: list[dict], rank: int, step: int) -> SavePlan:
-        plan = make_plan(gathered, rank, step)
+    def take(self, answer: tuple, rank: int, step: int) -> SavePlan:
+        """(every rank) This rank's plan from the coordinator's :meth:`assign` answer."""
+        common, part = answer
+        if rank == 0:
+            plan, last = self._made  # (what assign computed for every rank)
+            self._made = None
+        else:
+            plan = SavePlan(save_id=common["save_id"], step=step,
+                            world_size=common["world_size"],
+                            my_chunks=_chunk_specs(part["chunks"]), tensors={},
+                            format_version=common["format_version"])
+            last = _Reusable(plan.save_id, plan, [], [], part["mine"], [], common["compact"])
         self.how = "re-exchanged" if self._last is not None else "exchanged"
-        self._remember(gathered, plan, rank)
+        self._last = last
         return plan
 
     # -- the coordinator ---------------------------------------------------------------------
@@ -307,7 +357,23 @@ class PlanExchange:
         return {**out, "how": "reuse", "save_id": values[0]["save_id"],
                 "format_version": 2 if v2 else 1}
 
-    def _remember(self, gathered: list[dict], plan: SavePlan, rank: int) -> None:
+    def assign(self, values: list[dict], step: int) -> tuple[dict, list[dict]]:
+        """(rank 0) The plan of every rank from every rank's :meth:`full_value`: one part for
+        all (the save id, the format, the fingerprint mode) and one per rank (the chunks it
+        writes, the places of the fingerprints it must hash for the next verdict). Each rank
+        receives only its own part (``Group.decide(..., each=True)``): O(N) bytes through the
+        store where every rank parsing every list moved O(N^2)."""
+        rows, plan = make_plans(values, step)
+        last = self._reusable(values, plan)
+        self._made = (plan, last)
+        common = {"save_id": plan.save_id, "format_version": plan.format_version,
+                  "world_size": plan.world_size, "compact": last.compact}
+        return common, [{"chunks": rows[r], "mine": last.watch[r][0]}
+                        for r in range(len(values))]
+
+    @staticmethod
+    def _reusable(gathered: list[dict], plan: SavePlan) -> _Reusable:
+        """(rank 0) What the verdicts after this exchange compare, for every rank."""
         # the replicated tensors (not per rank) held by more than one rank, by their place in
         # each holder's regular-tensor fingerprints (DTensor boxes have none: never per rank)
         per_rank = {fqn for fqn, m in plan.tensors.items() if m.get("per_rank")}
@@ -328,24 +394,33 @@ class PlanExchange:
         group = [sig.setdefault(tuple(w), len(sig)) if w else None for w in watched]
         compact = all(len({group[r] for r in holders[key]}) == 1 for key in shared)
         watch = [([places[r][k] for k in watched[r]], watched[r]) for r in range(len(gathered))]
-        # (only the coordinator compares them: the other ranks keep none)
-        hashes = [layout_hash(g["specs"]) if g["specs"] else "" for g in gathered] \
-            if rank == 0 else []
-        self._last = _Reusable(plan.save_id, plan, hashes, watch, watch[rank][0], group,
-                               compact)
+        hashes = [layout_hash(g["specs"]) if g["specs"] else "" for g in gathered]
+        return _Reusable(plan.save_id, plan, hashes, watch, watch[0][0], group, compact)
 
 
-def raise_setup_errors(gathered: list[dict], mine: BaseException | None) -> None:
-    """(all ranks, after the plan exchange) Raise if any rank could not claim the root: its own
-    error on that rank, the same kind naming the rank on the others."""
-    bad = [(r, g["setup"]) for r, g in enumerate(gathered) if g.get("setup")]
-    if not bad:
+def setup_failures(values: list[dict]) -> list:
+    """(rank 0, ``Group.decide``) The ranks that could not claim the root, with their errors:
+    ``[rank, [kind, message]]`` for the first few, and how many in all."""
+    bad = [[r, v["setup"]] for r, v in enumerate(values) if v.get("setup")]
+    return [bad[:NAMED_MAX], len(bad)]
+
+
+#: at most this many ranks' errors travel in an agreement's answer (the count says the rest)
+NAMED_MAX = 8
+
+
+def raise_setup_errors(failures: list, mine: BaseException | None) -> None:
+    """(all ranks, after claiming the root) Raise if any rank could not claim it: its own
+    error on that rank, the same kind naming the (first) rank on the others."""
+    bad, n = failures
+    if not n:
         return
     if mine is not None:
         raise mine
     r, (kind, msg) = bad[0]
     cls = WriterLockedError if kind == WriterLockedError.__name__ else StorageError
-    raise cls(f"rank {r} cannot save: {msg}")
+    more = f" (and {n - 1} more rank(s))" if n > 1 else ""
+    raise cls(f"rank {r} cannot save: {msg}{more}")
 
 
 def check_user_meta(meta: dict | None) -> dict:

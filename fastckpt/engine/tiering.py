@@ -460,22 +460,24 @@ class Tier:
         group = self.engine.group
         mine = {"local": _newest(self.engine.storage, step),
                 "remote": _newest(self.storage, step)}
-        views = group.gather(mine, timeout_s=timeout_s, what="load: the tiers' newest steps")
-        found = [v[t] for v in views for t in ("local", "remote") if v[t] is not None]
-        if not found:
+        # (to rank 0 alone, which answers with the summary: O(N) where a gather is O(N^2))
+        seen = group.decide(mine, _tiers_seen, timeout_s=timeout_s,
+                            what="load: the tiers' newest steps")
+        best = seen["best"]
+        if best is None:
             where = f"step {step}" if step is not None else "no committed checkpoint"
             raise CheckpointNotFoundError(
                 f"{where} in either tier: {self.engine.storage.root} or "
                 f"{remote_display(self.url)}")
-        best = max(found)
         order = []
-        if all(v["local"] == best for v in views):
+        if seen["local"]:
             order.append(("local", self.engine.storage))
-        if all(v["remote"] == best for v in views):
+        if seen["remote"]:
             order.append(("remote", self.storage))
         if not order:  # the ranks saw different steps (a commit between their listings)
             raise CheckpointNotFoundError(
-                f"the ranks do not agree on the newest step ({views}); try again")
+                f"the ranks do not agree on the newest step (rank: its newest local and "
+                f"remote step: {seen['differ']}); try again")
         last: BaseException | None = None
         for i, (tier, st) in enumerate(order):
             try:
@@ -528,3 +530,14 @@ def _drop_cache(path: str) -> None:
 
 
 __all__ = ["Tier", "Upload", "TIERS_FILE", "remote_display"]
+
+
+def _tiers_seen(views: list[dict]) -> dict:
+    """(rank 0, ``Group.decide``) From every rank's newest step per tier: the newest step of
+    all, whether every rank has it in each tier, and the first ranks whose view differs."""
+    found = [v[t] for v in views for t in ("local", "remote") if v[t] is not None]
+    best = max(found) if found else None
+    differ = [[r, v["local"], v["remote"]] for r, v in enumerate(views)
+              if v["local"] != best or v["remote"] != best]
+    return {"best": best, "local": all(v["local"] == best for v in views),
+            "remote": all(v["remote"] == best for v in views), "differ": differ[:8]}
