@@ -103,13 +103,15 @@ def test_idle_trigger_sends_nothing_and_a_stop_costs_o1_per_rank(tmp_path, world
         assert o["code"] == 143 and o["committed"]
     assert len({o["stop_step"] for o in res}) == 1
     # everything after the stop request, including the emergency save's plan exchange,
-    # commit and exit barrier: a fixed number on every rank (about 35 measured), plus the
-    # signalled rank's N wake-ups and the coordinator's deletes of the gathers' N values.
-    # This emergency save is the job's first save: its plan exchange is the verdict round
-    # (rank 0: wait, read, answer, clean up, about 10) and then the chunk lists
+    # commit and exit barrier: a fixed number on every rank, plus the signalled rank's N
+    # wake-ups and the coordinator's deletes of the gathers' N values. This emergency save is
+    # the job's first save: its plan exchange is the verdict round and then rank 0's decision
+    # (each rank's own part). Measured at worlds 2, 4 and 8 (2026-12-04): ranks 1..N-2 34-40,
+    # the signalled rank 37-41 + N, rank 0 53-56 + 3N; one timed wait more or less (a get that
+    # finds its key or waits for it) moves a count by one or two, so the bounds leave 5.
     per_rank = [o["cmds_after_stop"] for o in res]
-    assert all(n <= 40 for n in per_rank[1:-1]), per_rank
-    assert per_rank[-1] <= 40 + world and per_rank[0] <= 60 + 5 * world, per_rank
+    assert all(n <= 45 for n in per_rank[1:-1]), per_rank
+    assert per_rank[-1] <= 45 + world and per_rank[0] <= 60 + 5 * world, per_rank
     print(f"\nworld {world}: store commands per rank from the stop request to the exit: "
           f"{per_rank}; consensus {res[0]['consensus']['agreed_after_s']} s after the request")
 
@@ -313,6 +315,30 @@ def test_decide_each_sends_every_rank_its_own_part_only(store):
     g1 = _dist.Group(collective=False)
     assert g1.decide(7, lambda vs: ("c", [vs[0] + 1]), each=True, timeout_s=1, what="t") == \
         ("c", 8)
+
+
+def test_set_many_bounds_each_command_by_bytes_and_keys(store, monkeypatch):
+    """Exchange.set_many: a multi_set command carries at most MULTI_SET_BYTES (unless one
+    value alone is larger: it goes alone) and MULTI_GET_BATCH keys; every value arrives."""
+    monkeypatch.setattr(_dist, "MULTI_SET_BYTES", 1000)
+    monkeypatch.setattr(_dist, "MULTI_GET_BATCH", 4)
+    sizes = [400, 400, 400, 3000, 10, 10, 10, 10, 10, 999]
+    keys = [f"sm/{i}" for i in range(len(sizes))]
+    values = [bytes([i]) * n for i, n in enumerate(sizes)]
+    sent: list = []
+
+    ex = _dist.Exchange(store=store)
+    inner = ex._store
+
+    class Spy:
+        def multi_set(self, ks, vs):
+            sent.append([len(v) for v in vs])
+            inner.multi_set(ks, vs)
+    ex._store = Spy()
+    ex.set_many(keys, values)
+    assert sent == [[400, 400], [400], [3000], [10, 10, 10, 10], [10], [999]], sent
+    ex._store = inner
+    assert ex.get_many(keys) == values
 
 
 def test_a_dead_store_names_the_ranks_lost_with_it(monkeypatch):
