@@ -75,8 +75,8 @@ class StoreUnreachable(Exception):
 
 #: keys per ``multi_get`` (two store commands each) when many values are read at once
 MULTI_GET_BATCH = 1024
-#: bytes per ``multi_set`` command: the TCPStore server re-reads a command that arrives
-#: in pieces, so its CPU grows with the square of the command's size (measured on this VM,
+#: bytes per ``multi_set`` command: the TCPStore server's CPU per command grows faster than
+#: the command's size (the cause inside the server not established; measured on a 2-vCPU VM,
 #: 20 MB of 300 KB values: 0.06 s as single sets or 300 KB commands, 0.13 s in 1 MB
 #: commands, 0.44 s in 3 MB, 2.3 s as one 19 MB command); a value above it is sent alone
 MULTI_SET_BYTES = 256 * 1024
