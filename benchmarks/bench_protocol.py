@@ -82,6 +82,7 @@ from typing import Any
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # the working tree's fastckpt (the children get it first too)
 from fastckpt.bench import common as C  # noqa: E402
+from fastckpt.manifest import schema as fmt  # noqa: E402
 
 HOST = "127.0.0.1"
 MULTI_GET_BATCH = 1024  # keys per multi_get (fastckpt.engine.dist.MULTI_GET_BATCH)
@@ -319,11 +320,11 @@ def result_entry(rank: int, world: int) -> dict:
                        "length": nbytes, "checksum": f"{(j * 2654435761) & (2**64 - 1):016x}"})
         size += -(-nbytes // 4096) * 4096
         if size >= 256 << 20:
-            files.append({"file": f"r{rank:05d}-0123456789ab-{piece:03d}.shard", "piece": piece,
+            files.append({"file": fmt.shard_name(rank, "0123456789ab", piece), "piece": piece,
                           "size": size, "chunks": chunks})
             chunks, size, piece = [], 0, piece + 1
     if chunks:
-        files.append({"file": f"r{rank:05d}-0123456789ab-{piece:03d}.shard", "piece": piece,
+        files.append({"file": fmt.shard_name(rank, "0123456789ab", piece), "piece": piece,
                       "size": size, "chunks": chunks})
     return {"ok": True, "files": files}
 
@@ -1204,24 +1205,73 @@ def reuse_cost(n: int, gathered: list) -> dict:
 def manifest_cost(n: int, gathered: list, tree: Any) -> dict:
     """The coordinator's side of the commit with realistic results: N results through the
     store (bytes), parsed, and the real ``Writer._coordinate`` building and encoding the
-    manifest (its publish captured, nothing written)."""
+    manifest (its publish captured, nothing written); one self-contained manifest (format
+    1-3) and per-rank chunk indexes (format 4, ``rank_indexes``: each rank encodes its own
+    index, its result names it), with every rank's skeleton and with rank 0's alone (what
+    fastckpt sends when the skeleton hashes agreed). Then a reader's side: turning the manifest bytes (and, for
+    format 4, the N index files' bytes, in memory) into the validated body every load plans
+    from (``decode_manifest`` / ``index.expand``)."""
+    import dataclasses
+
     from fastckpt.engine.plan import make_plan
     from fastckpt.engine.writer import Writer
+    from fastckpt.manifest import index as idx
     plan = make_plan(gathered, 0, 1)
+    entries = [result_entry(r, n) for r in range(n)]
+
+    def coordinate(raw: list[bytes], plan: Any) -> tuple[float, float, bytes]:
+        t = time.perf_counter()
+        results = [json.loads(x) for x in raw]
+        t1 = time.perf_counter()
+        got: dict[str, bytes] = {}
+        keep = lambda path, data: got.__setitem__("data", data)  # noqa: E731
+        st = SimpleNamespace(publish=keep, publish_manifest=keep)
+        job = SimpleNamespace(plan=plan, step_dir="step-1", user_meta={}, files=None)
+        Writer._coordinate(SimpleNamespace(lease=None), job, results, st)
+        return t1 - t, time.perf_counter() - t1, got["data"]
+
     # each result carries its rank's skeleton (the coordinator's only copy of it)
-    raw = [json.dumps({**result_entry(r, n), "tree": tree}).encode() for r in range(n)]
+    raw = [json.dumps({**e, "tree": tree}).encode() for e in entries]
+    loads_s, coord_s, data = coordinate(raw, plan)
     t = time.perf_counter()
-    results = [json.loads(x) for x in raw]
+    fmt.decode_manifest(data, file="manifest.json")
+    read_s = time.perf_counter() - t
+    out = {"result_bytes_per_rank": round(sum(map(len, raw)) / n),
+           "results_loads_s": round(loads_s, 3), "coordinate_s": round(coord_s, 3),
+           "manifest_bytes": len(data), "reader_decode_s": round(read_s, 3)}
+    # format 4: every rank encodes its own index (timed on rank 0's, all alike under FSDP)
+    t = time.perf_counter()
+    docs = [idx.encode_index(r, "0123456789ab", e["files"]) for r, e in enumerate(entries)]
+    encode_s = (time.perf_counter() - t) / n
+
+    def raw4(shared: bool) -> list[bytes]:
+        return [json.dumps({"ok": True, "files": [
+            {k: f[k] for k in ("file", "piece", "size")} for f in e["files"]],
+            "index": {"file": idx.index_name(r, "0123456789ab"), **entry},
+            **({"tree": tree} if r == 0 or not shared else {})}).encode()
+            for r, (e, (_, entry)) in enumerate(zip(entries, docs))]
+    # every rank's skeleton (as before skeletons were sent once), then what fastckpt sends
+    # under FSDP: rank 0's alone (their hashes agreed at the plan exchange)
+    all_trees = raw4(False)
+    loads_t, coord_t, _ = coordinate(all_trees, dataclasses.replace(plan, indexed=True))
+    shared = raw4(True)
+    loads4_s, coord4_s, data4 = coordinate(shared, dataclasses.replace(
+        plan, indexed=True, same_tree=True))
+    t = time.perf_counter()
+    body = fmt.decode_manifest(data4, file="manifest.json")
     t1 = time.perf_counter()
-    got: dict[str, int] = {}
-    keep = lambda path, data: got.__setitem__("bytes", len(data))  # noqa: E731
-    st = SimpleNamespace(publish=keep, publish_manifest=keep)
-    job = SimpleNamespace(plan=plan, step_dir="step-1", user_meta={}, files=None)
-    Writer._coordinate(SimpleNamespace(lease=None), job, results, st)
+    idx.expand(body, [d for d, _ in docs], file="manifest.json", step_dir="step-1")
     t2 = time.perf_counter()
-    return {"result_bytes_per_rank": round(sum(map(len, raw)) / n),
-            "results_loads_s": round(t1 - t, 3), "coordinate_s": round(t2 - t1, 3),
-            "manifest_bytes": got.get("bytes")}
+    out["indexed"] = {"index_bytes_per_rank": round(sum(len(d) for d, _ in docs) / n),
+                      "rank_encode_index_s": round(encode_s, 4),
+                      "every_tree": {"result_bytes_per_rank": round(sum(map(len, all_trees)) / n),
+                                     "results_loads_s": round(loads_t, 3),
+                                     "coordinate_s": round(coord_t, 3)},
+                      "result_bytes_per_rank": round(sum(map(len, shared)) / n),
+                      "results_loads_s": round(loads4_s, 3), "coordinate_s": round(coord4_s, 3),
+                      "manifest_bytes": len(data4), "reader_decode_s": round(t1 - t, 3),
+                      "reader_expand_s": round(t2 - t1, 3)}
+    return out
 
 
 def realistic_gather(job: "Job", worlds: list[int], a: argparse.Namespace,

@@ -39,6 +39,7 @@ from .engine.state import flatten
 from .errors import CorruptCheckpointError, FastCkptError, UnsupportedStateError
 from .manifest import schema as fmt
 from .manifest.discovery import list_steps, marker_doc, marker_name, read_manifest
+from .manifest.index import INDEX_SUFFIX
 from .manifest.values import TENSOR_TAG, encode_value
 from .manifest.values import fqn as _fqn
 from .manifest.verify import check_layout, verify_file
@@ -457,7 +458,7 @@ def _cleanup(storage: Storage, d: str, keep: set, marker: str, existed: bool) ->
     if not existed:
         return storage.remove_dir(d)
     for n in storage.listdir(d):
-        if n not in keep and n.endswith(fmt.SHARD_SUFFIX):
+        if n not in keep and n.endswith((fmt.SHARD_SUFFIX, INDEX_SUFFIX)):
             storage.remove(f"{d}/{n}")
     storage.remove(marker)
 
@@ -493,7 +494,7 @@ def convert(src: str | os.PathLike, root: str | os.PathLike | Storage, *,
                                   "directory (SRC is never written)")
     d = storage.join(fmt.step_dirname(step))
     try:
-        old = read_manifest(storage, d, step=step)
+        old = read_manifest(storage, d, step=step, chunks=False)
     except CorruptCheckpointError as e:
         if not force:
             raise StepExistsError(f"step {step} under {storage.root} has a damaged manifest "

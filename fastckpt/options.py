@@ -36,6 +36,11 @@ class CheckpointOptions:
         waits on the host until they are done; use it when the saved tensors may be written
         from other streams). See fastckpt/_device.py.
     verify: check every chunk's checksum on load.
+    rank_indexes: from this world size on, each rank writes its chunk list to its own index
+        file and the manifest names the indexes (format version 4, docs/design.md): the
+        coordinator's commit work stays O(N) small entries (docs/scale.md). None: never (one
+        self-contained manifest, readable by fastckpt before version 4); 1: always. Rank 0's
+        value decides for every rank. FASTCKPT_RANK_INDEXES.
     staging_cap_bytes: host memory the staging buffers may use (None: as much as the rank's
         state, allocated once and reused; ``save`` then stalls for one memcpy). Above the cap the
         pieces are staged as the writer frees buffers, so the stall grows with the overflow.
@@ -97,6 +102,7 @@ class CheckpointOptions:
 
     keep_last: int | None = None
     collective: bool = True
+    rank_indexes: int | None = 16
     plan_timeout_s: float = 120.0
     lease_ttl_s: float = 60.0
     commit_timeout_s: float = 600.0
@@ -133,6 +139,10 @@ class CheckpointOptions:
         if self.keep_last is not None and (not isinstance(self.keep_last, int)
                                            or self.keep_last < 1):
             raise ValueError(f"keep_last must be a positive int or None, got {self.keep_last!r}")
+        if self.rank_indexes is not None and (not isinstance(self.rank_indexes, int)
+                                              or self.rank_indexes < 1):
+            raise ValueError(f"rank_indexes must be a positive int (a world size) or None, got "
+                             f"{self.rank_indexes!r}")
         if not (self.lease_ttl_s >= 1):
             raise ValueError(f"lease_ttl_s must be >= 1 second, got {self.lease_ttl_s!r}")
         if not (self.plan_timeout_s > 0):
@@ -217,7 +227,7 @@ def options_from_env(base: CheckpointOptions | None = None,
     FASTCKPT_GRACE_S=seconds, FASTCKPT_SIGNAL_GRACE_S=SIGTERM=10,..., FASTCKPT_TEARDOWN_S=seconds,
     FASTCKPT_PREEMPT_SIGNALS=SIGTERM,SIGUSR1, FASTCKPT_EVENT_LOG=dir,
     FASTCKPT_REMOTE_PART_BYTES=bytes, FASTCKPT_REMOTE_CONCURRENCY=n, FASTCKPT_LOCAL_SURVIVES=0|1,
-    FASTCKPT_COMPRESSION=none|zstd|auto.
+    FASTCKPT_COMPRESSION=none|zstd|auto, FASTCKPT_RANK_INDEXES=world size|none.
     """
     env = os.environ if environ is None else environ
     base = base or CheckpointOptions()
@@ -228,6 +238,13 @@ def options_from_env(base: CheckpointOptions | None = None,
         changes["direct_io"] = env["FASTCKPT_DIRECT_IO"].strip() not in ("0", "false", "no", "")
     if "FASTCKPT_ZERO_COPY" in env:
         changes["zero_copy"] = env["FASTCKPT_ZERO_COPY"].strip() not in ("0", "false", "no", "")
+    if "FASTCKPT_RANK_INDEXES" in env:
+        v = env["FASTCKPT_RANK_INDEXES"].strip().lower()
+        try:
+            changes["rank_indexes"] = None if v in ("none", "off", "never", "") else int(v)
+        except ValueError:
+            raise ValueError(f"FASTCKPT_RANK_INDEXES: {v!r} is not a world size or 'none'"
+                             ) from None
     if "FASTCKPT_GRACE_S" in env:
         changes["grace_s"] = float(env["FASTCKPT_GRACE_S"])
     if "FASTCKPT_SIGNAL_GRACE_S" in env:

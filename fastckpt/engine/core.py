@@ -41,6 +41,8 @@ import uuid
 import weakref
 from typing import Any, Callable
 
+import xxhash
+
 from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, FastCkptError,
                       StorageError, UnsupportedStateError, WriterLockedError)
 from ..lease import WriterLease
@@ -109,7 +111,7 @@ class Engine:
                                          if remote_storage_options is not None
                                          else storage_options)
         self._upload_next = False
-        self._plans = PlanExchange()
+        self._plans = PlanExchange(self.options.rank_indexes)
         self._last_load: dict | None = None
         self._compression = Compression(self.options.compression,
                                         level=self.options.compression_level,
@@ -311,20 +313,23 @@ class Engine:
         tree: Any = None
         data: dict = {}
         aliases = 0
+        tree_hash = None
         try:
             flat = flatten(state)
             local, data = local_chunks(flat.tensors, digests=self.world_size > 1)
             specs = [tuple(s.__dict__.values()) for s in local]
             tree = flat.skeleton
             aliases = len(flat.aliases)
-            json.dumps(tree, allow_nan=False)
+            tree_hash = xxhash.xxh3_128_hexdigest(json.dumps(tree, allow_nan=False).encode())
         except (UnsupportedStateError, ValueError, TypeError) as e:
             if self.world_size == 1:
                 raise
             error = str(e)
         busy = self._tier.busy if self._tier is not None else False
         what = f"save of step {step}: the plan exchange"
-        common = {"error": error, "aliases": aliases}
+        # the skeleton's hash: when every rank's is rank 0's, only rank 0 sends its skeleton
+        # to the coordinator with its commit result (under FSDP they are all alike)
+        common = {"error": error, "aliases": aliases, "tree_hash": tree_hash}
         verdict = self.group.decide(
             self._plans.value(uuid.uuid4().hex[:12], specs, up_busy=busy, **common),
             self._plans.decide, timeout_s=self._wait_s(deadline), what=what)

@@ -55,6 +55,11 @@ class SavePlan:
     pieces: tuple = ()  # this rank's shard files (staging.Piece), set by Checkpointer.save
     #: 2 when the manifest uses what format 1 readers do not know (ties, per-rank tensors)
     format_version: int = 1
+    #: each rank writes its chunk list to its own index file (format 4; rank 0 decides:
+    #: ``CheckpointOptions.rank_indexes``)
+    indexed: bool = False
+    #: every rank's skeleton is rank 0's (their hashes agreed): only rank 0 sends it
+    same_tree: bool = False
 
     @property
     def file_size(self) -> int:
@@ -251,6 +256,12 @@ class _Reusable:
     compact: bool
 
 
+def _same_tree(values: list[dict]) -> bool:
+    """Whether every rank's skeleton hash is rank 0's (a rank without one: no)."""
+    first = values[0].get("tree_hash")
+    return first is not None and all(v.get("tree_hash") == first for v in values)
+
+
 class PlanExchange:
     """The plan exchange of one engine (training thread only; see the module docstring).
 
@@ -267,7 +278,9 @@ class PlanExchange:
     reshardable).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, rank_indexes: int | None = None) -> None:
+        #: (rank 0) the world size from which plans are indexed (CheckpointOptions.rank_indexes)
+        self.rank_indexes = rank_indexes
         self._last: _Reusable | None = None
         self._layout: tuple = ((), "")  # this rank's last layout and its hash
         self._made: tuple | None = None  # (rank 0) the plan assign made, until take
@@ -305,7 +318,9 @@ class PlanExchange:
         last = self._last
         assert last is not None  # the coordinator saw this rank's base
         plan = dataclasses.replace(last.plan, save_id=verdict["save_id"], step=step,
-                                   format_version=verdict["format_version"])
+                                   format_version=verdict["format_version"],
+                                   indexed=verdict.get("indexed", False),
+                                   same_tree=verdict.get("same_tree", False))
         last.base = plan.save_id
         self.how = "reused"
         return plan
@@ -324,7 +339,9 @@ class PlanExchange:
             plan = SavePlan(save_id=common["save_id"], step=step,
                             world_size=common["world_size"],
                             my_chunks=_chunk_specs(part["chunks"]), tensors={},
-                            format_version=common["format_version"])
+                            format_version=common["format_version"],
+                            indexed=common.get("indexed", False),
+                            same_tree=common.get("same_tree", False))
             last = _Reusable(plan.save_id, plan, [], [], part["mine"], [], common["compact"])
         self.how = "re-exchanged" if self._last is not None else "exchanged"
         self._last = last
@@ -355,7 +372,11 @@ class PlanExchange:
         per_rank = any(m.get("per_rank") for m in last.plan.tensors.values())
         v2 = per_rank or any(v.get("aliases") for v in values)
         return {**out, "how": "reuse", "save_id": values[0]["save_id"],
-                "format_version": 2 if v2 else 1}
+                "format_version": 2 if v2 else 1, "indexed": self._indexed(len(values)),
+                "same_tree": _same_tree(values)}
+
+    def _indexed(self, world: int) -> bool:
+        return self.rank_indexes is not None and world >= self.rank_indexes
 
     def assign(self, values: list[dict], step: int) -> tuple[dict, list[dict]]:
         """(rank 0) The plan of every rank from every rank's :meth:`full_value`: one part for
@@ -364,10 +385,13 @@ class PlanExchange:
         receives only its own part (``Group.decide(..., each=True)``): O(N) bytes through the
         store where every rank parsing every list moved O(N^2)."""
         rows, plan = make_plans(values, step)
+        plan = dataclasses.replace(plan, indexed=self._indexed(len(values)),
+                                   same_tree=_same_tree(values))
         last = self._reusable(values, plan)
         self._made = (plan, last)
         common = {"save_id": plan.save_id, "format_version": plan.format_version,
-                  "world_size": plan.world_size, "compact": last.compact}
+                  "world_size": plan.world_size, "compact": last.compact,
+                  "indexed": plan.indexed, "same_tree": plan.same_tree}
         return common, [{"chunks": rows[r], "mine": last.watch[r][0]}
                         for r in range(len(values))]
 

@@ -468,7 +468,7 @@ class FastCkptReader(StorageReader):
         """StepRemovedError if this step's manifest is gone or belongs to another save now
         (retention or gc removed the step while it was read)."""
         try:
-            now = read_manifest(self.storage, self.step_dir)
+            now = read_manifest(self.storage, self.step_dir, chunks=False)
         except (CorruptCheckpointError, StorageError):
             return
         if now is None or now.get("save_id") != self.body["save_id"]:

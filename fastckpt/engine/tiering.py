@@ -205,8 +205,14 @@ class Tier:
 
     def _upload_of(self, job: Any, deadline: float | None) -> Upload:
         job.handle._remote_begin()
+        files = list(job.my_files)
+        if job.my_index is not None:  # format 4: this rank's chunk index goes up with its
+            # shards, checked like one chunk (its checksum: xxh3-64 of all its bytes)
+            i = job.my_index
+            files.append({"file": i["file"], "size": i["size"], "chunks": [
+                {"offset": 0, "length": i["size"], "checksum": i["checksum"]}]})
         return Upload(step=job.plan.step, save_id=job.plan.save_id, local_dir=job.step_dir,
-                      files=list(job.my_files), manifest=job.manifest, handle=job.handle,
+                      files=files, manifest=job.manifest, handle=job.handle,
                       deadline=deadline)
 
     def submit(self, job: Any, deadline: float | None = None) -> Upload:
@@ -422,6 +428,7 @@ class Tier:
                 keep = {f["file"] for f in up.files} | {fmt.MANIFEST}
                 body = json.loads(up.manifest or b"{}").get("body", {})
                 keep |= set(body.get("files", {}))
+                keep |= {i.get("file") for i in body.get("indexes", [])}
                 for n in st.listdir(d):
                     if n not in keep:
                         st.remove(f"{d}/{n}")

@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 
 from ..errors import CommitTimeoutError, FastCkptError
+from ..manifest import index as idx
 from ..manifest import schema as fmt
 from ..manifest.discovery import marker_doc, marker_name, read_manifest
 from ..options import CheckpointOptions
@@ -70,6 +71,8 @@ class Job:
     files: set = field(default_factory=set)  # (coordinator) the shard files it committed
     #: this rank's shard files as written (name, size, chunks): the remote tier uploads them
     my_files: list = field(default_factory=list)
+    #: this rank's chunk index ({"file", "size", "checksum"}) when the plan is indexed
+    my_index: dict | None = None
     manifest: bytes | None = None  # (coordinator) the manifest's bytes, once committed
     upload: bool = False  # hand it to the remote tier once committed (the plan decided)
     compress: bool = False  # encode the pieces (engine/compress.py)
@@ -171,6 +174,11 @@ class Writer:
                         files.append(pending.popleft().result())
                 files.sort(key=lambda f: f["piece"])
                 st.sync_dir(d)  # the files' entries, once for all of them
+                if plan.indexed:  # then the chunk list, durably (fsync, rename, dir fsync)
+                    data, entry = idx.encode_index(self.rank, plan.save_id, files)
+                    entry = {"file": idx.index_name(self.rank, plan.save_id), **entry}
+                    st.publish(f"{d}/{entry['file']}", data)
+                    job.my_index = entry
                 job.my_files = files
             finally:
                 # after a failure, take the pieces still coming so a capped pool never leaves
@@ -181,8 +189,16 @@ class Writer:
                     remaining = 0 if piece is None else remaining - 1
                     if piece is not None:
                         self._release(buf, ready)
-            # the skeleton travels with the result: only the coordinator needs it
-            result = {"ok": True, "files": files, "tree": plan.tree}
+            if job.my_index is not None:  # the chunks are in the index: names and sizes only
+                result = {"ok": True, "index": job.my_index,
+                          "files": [{k: f[k] for k in ("file", "piece", "size")}
+                                    for f in files]}
+            else:
+                result = {"ok": True, "files": files}
+            # the skeleton travels with the result (only the coordinator needs it), and only
+            # rank 0's when every rank's hash was rank 0's at the plan exchange
+            if self.rank == 0 or not plan.same_tree:
+                result["tree"] = plan.tree
         except Exception as e:
             local_exc = e
             result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -236,7 +252,7 @@ class Writer:
         unreachable (a job whose rank 0 exited, or was killed, right after its last save)."""
         st = self.storage.bounded(time.monotonic() + DISCARD_S)
         try:
-            body = read_manifest(st, job.step_dir, step=job.plan.step)
+            body = read_manifest(st, job.step_dir, step=job.plan.step, chunks=False)
         except Exception as e:  # noqa: BLE001 - unknown stays unknown
             log.warning("fastckpt: rank %d: could not read step %d's manifest: %s", self.rank,
                         job.plan.step, e)
@@ -252,6 +268,8 @@ class Writer:
             for piece in job.plan.pieces:
                 st.remove(
                     f"{job.step_dir}/{fmt.shard_name(self.rank, job.plan.save_id, piece.index)}")
+            if job.plan.indexed:
+                st.remove(f"{job.step_dir}/{idx.index_name(self.rank, job.plan.save_id)}")
             if self.rank == 0:
                 st.remove(marker)
         except Exception as e:  # noqa: BLE001
@@ -318,9 +336,23 @@ class Writer:
         """(coordinator) Write the manifest for a save every rank completed; the commit point
         (``st``: the storage bounded by the commit deadline)."""
         plan, d = job.plan, job.step_dir
+        trees = results
         files: dict[str, dict] = {}
         compressed = False
-        tensors = {fqn: {**m, "chunks": []} for fqn, m in plan.tensors.items()}
+        indexes = [res.get("index") for res in results]
+        if plan.indexed and all(indexes):  # format 4: the chunks stay in the ranks' indexes
+            tensors = {fqn: dict(m) for fqn, m in plan.tensors.items()}
+            for r, res in enumerate(results):
+                for f in res["files"]:
+                    files[f["file"]] = {"rank": r, "size": f["size"]}
+            results = []
+        elif any(indexes):
+            raise FastCkptError("ranks disagree on whether the save is indexed: rank(s) "
+                                f"{[r for r, i in enumerate(indexes) if not i][:8]} sent no "
+                                "chunk index (nothing was committed)")
+        else:
+            indexes = []
+            tensors = {fqn: {**m, "chunks": []} for fqn, m in plan.tensors.items()}
         for r, res in enumerate(results):
             for f in res["files"]:
                 files[f["file"]] = {"rank": r, "size": f["size"]}
@@ -334,16 +366,21 @@ class Writer:
                     tensors[c["fqn"]]["chunks"].append(entry)
         body = fmt.new_manifest_body(step=plan.step, world_size=plan.world_size,
                                      save_id=plan.save_id, files=files, tensors=tensors,
-                                     trees=[res["tree"] for res in results],
+                                     trees=([trees[0]["tree"]] * len(trees)
+                                            if plan.same_tree else
+                                            [res["tree"] for res in trees]),
                                      user_meta=job.user_meta,
                                      torch_version=_torch_version())
+        if indexes:
+            body["indexes"] = indexes
         if self.lease is not None:  # nobody took the root over since the save began
             self.lease.check()
-        # compressed chunks: version 3 (an older reader would take their bytes as raw)
-        data = fmt.encode_manifest(body, max(plan.format_version, 3) if compressed
-                                   else plan.format_version)
+        # indexes: version 4; compressed chunks: 3 (an older reader would take their bytes as
+        # raw)
+        version = 4 if indexes else 3 if compressed else plan.format_version
+        data = fmt.encode_manifest(body, max(plan.format_version, version))
         st.publish_manifest(f"{d}/{fmt.MANIFEST}", data)
-        job.files = set(files)
+        job.files = set(files) | {i["file"] for i in indexes}
         job.manifest = data
         # nothing else here: the outcome is published as soon as the manifest is (the other
         # ranks wait only until the deadline); housekeeping runs after it (_housekeep)

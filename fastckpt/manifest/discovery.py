@@ -38,10 +38,15 @@ def list_steps(storage: Storage) -> list[tuple[int, str]]:
     return sorted(out)
 
 
-def read_manifest(storage: Storage, step_dir: str, *, step: int | None = None) -> dict | None:
+def read_manifest(storage: Storage, step_dir: str, *, step: int | None = None,
+                  chunks: bool = True) -> dict | None:
     """The validated manifest body of a step directory; None if it has no manifest (or it was
     removed between the stat and the read). CorruptCheckpointError when it is damaged, crafted,
-    too large, or not a regular file; StorageError when the storage cannot be read."""
+    too large, or not a regular file; StorageError when the storage cannot be read.
+
+    A version-4 manifest's chunk lists are in per-rank index files (fastckpt/manifest/index.py),
+    read and merged here; ``chunks=False`` skips them (the body then has no ``chunks`` in its
+    tensors): for callers that need only the step, its save id, files or metadata."""
     path = f"{step_dir}/{fmt.MANIFEST}"
     try:
         n = storage.size(path)
@@ -58,7 +63,11 @@ def read_manifest(storage: Storage, step_dir: str, *, step: int | None = None) -
         if is_missing(e):  # removed since the stat: retention or gc
             return None
         raise
-    return fmt.decode_manifest(data, file=path, step=step)
+    body = fmt.decode_manifest(data, file=path, step=step)
+    if chunks and "indexes" in body:
+        from .index import read_indexes
+        return read_indexes(storage, step_dir, body, file=path)
+    return body
 
 
 def is_missing(e: BaseException) -> bool:

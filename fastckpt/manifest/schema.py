@@ -31,9 +31,11 @@ FORMAT_NAME = "fastckpt"
 #: the newest version this code reads and writes. 1: the original format. 2 adds what a
 #: format-1 reader would load wrongly: tied tensors (two skeleton keys referencing one stored
 #: tensor) and per-rank tensors (``"per_rank": true``, one copy per saving rank). 3 adds
-#: compressed chunks (a ``"codec"`` description, ``length`` the stored bytes). A manifest is
-#: written with the lowest version that holds what it uses, readable by older fastckpt.
-FORMAT_VERSION = 3
+#: compressed chunks (a ``"codec"`` description, ``length`` the stored bytes). 4 moves the
+#: chunk lists into per-rank index files (``"indexes"``, see fastckpt/manifest/index.py); the
+#: manifest keeps the tensor table, the files and the skeleton. A manifest is written with the
+#: lowest version that holds what it uses, readable by older fastckpt.
+FORMAT_VERSION = 4
 HASH_NAME = "xxh3_64"
 ALIGN = 4096
 SMALL_ALIGN = 64
@@ -174,7 +176,9 @@ def decode_manifest(data: bytes, *, file: str, step: int | None = None) -> dict:
     if not ok:
         raise CorruptCheckpointError("manifest checksum mismatch: the manifest was modified or "
                                      "damaged", file=file)
-    validate_body(body, file=file, step=step)
+    # a version-4 manifest's chunks are in its per-rank indexes: checked once they are merged
+    # in (fastckpt.manifest.index.expand), which runs this again with the chunks
+    validate_body(body, file=file, step=step, chunks=not (ver >= 4 and "indexes" in body))
     return body
 
 
@@ -209,7 +213,8 @@ def too_deep(x: object, limit: int = MAX_NESTING) -> list | None:
     return None  # pragma: no cover
 
 
-def validate_body(body: dict, *, file: str, step: int | None = None) -> None:
+def validate_body(body: dict, *, file: str, step: int | None = None,
+                  chunks: bool = True) -> None:
     """Check every field of a manifest body a reader relies on; raise CorruptCheckpointError
     naming the file, the tensor and the field.
 
@@ -220,6 +225,10 @@ def validate_body(body: dict, *, file: str, step: int | None = None) -> None:
     plain-value trees are well-formed and nest at most MAX_NESTING levels, and every tensor they
     reference exists. A tensor's bytes therefore fit its shape, and all tensors together fit
     the files (so nothing larger than the files is allocated before they are checked).
+
+    ``chunks=False``: a version-4 manifest before its per-rank indexes are merged in (its
+    tensors have no chunk lists yet); its ``indexes`` are checked (one per rank, safe names,
+    sizes, checksums), the chunks later, with the merged body.
     """
     def bad(msg: str, key: str | None = None) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"invalid manifest: {msg}", file=file, key=key)
@@ -249,11 +258,13 @@ def validate_body(body: dict, *, file: str, step: int | None = None) -> None:
         if "checksum" in info and not (isinstance(info["checksum"], str)
                                        and _HEX16_RE.match(info["checksum"])):
             raise bad(f"file {name!r} has an invalid checksum")
+    if "indexes" in body:
+        _validate_indexes(body["indexes"], world, bad)
     tensors = body["tensors"]
     if not isinstance(tensors, dict):
         raise bad("'tensors' is not a mapping")
     for fqn, t in tensors.items():
-        _validate_tensor(fqn, t, files, world, bad)
+        _validate_tensor(fqn, t, files, world, bad, with_chunks=chunks)
     if "tree" in body:
         trees = [body["tree"]]
     else:
@@ -267,7 +278,21 @@ def validate_body(body: dict, *, file: str, step: int | None = None) -> None:
         raise bad(f"user_meta is not a mapping nested at most {MAX_NESTING} levels")
 
 
-def _validate_tensor(fqn: object, t: object, files: dict, world: int, bad) -> None:
+def _validate_indexes(indexes: object, world: int, bad) -> None:
+    """A version-4 manifest's ``indexes``: one entry per rank, in rank order."""
+    from .index import is_index_name
+    if not isinstance(indexes, list) or len(indexes) != world:
+        raise bad(f"'indexes' is not a list of one entry per rank ({world})")
+    for r, e in enumerate(indexes):
+        if (not isinstance(e, dict) or not is_index_name(e.get("file"))
+                or not _is_int(e.get("size")) or e["size"] < 0
+                or not isinstance(e.get("checksum"), str) or not _HEX16_RE.match(e["checksum"])):
+            raise bad(f"the index entry of rank {r} is not a valid index file name, size and "
+                      "checksum")
+
+
+def _validate_tensor(fqn: object, t: object, files: dict, world: int, bad,
+                     with_chunks: bool = True) -> None:
     if not isinstance(fqn, str) or not isinstance(t, dict):
         raise bad("a tensor entry is not a mapping", key=str(fqn))
     isz = DTYPES.get(t.get("dtype")) if isinstance(t.get("dtype"), str) else None
@@ -277,6 +302,10 @@ def _validate_tensor(fqn: object, t: object, files: dict, world: int, bad) -> No
     if (not isinstance(shape, list) or len(shape) > MAX_NDIM
             or not all(_is_int(n) and n >= 0 for n in shape)):
         raise bad(f"shape {shape!r} is not a list of non-negative ints", key=fqn)
+    if not with_chunks:
+        if "chunks" in t:
+            raise bad("a tensor of a manifest with per-rank indexes lists chunks", key=fqn)
+        return
     chunks = t.get("chunks")
     if not isinstance(chunks, list):
         raise bad("'chunks' is not a list", key=fqn)

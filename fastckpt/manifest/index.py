@@ -1,0 +1,153 @@
+"""Per-rank chunk indexes (format version 4). Torch-free.
+
+A save of many ranks (``CheckpointOptions.rank_indexes``) does not send its chunk lists to the
+coordinator: each rank writes them to its own index file next to its shards, durably, before it
+reports, and reports only the index's name, size and checksum. The manifest then holds the
+tensor table (dtype, shape), the files, the skeleton and one ``indexes`` entry per rank
+(``{"file", "size", "checksum"}``: xxh3-64 of the index file's bytes); the coordinator's commit
+work is O(N) small entries instead of every chunk of every rank (docs/scale.md).
+
+An index file, ``r<rank>-<save_id>.fci``, is one line of JSON::
+
+    {"format": "fastckpt-index", "rank": 3, "save_id": "3f2a9c1e5b7d",
+     "chunks": {"<fqn>": [{"offsets", "sizes", "file", "offset", "length", "checksum"
+                           (, "codec")}, ...], ...}}
+
+A reader merges every index into the manifest's tensor table (:func:`expand`) and validates the
+result exactly like a version-1 manifest (``schema.validate_body``); an index is accepted only
+if its bytes hash to the manifest's checksum, so a manifest pins its indexes: a damaged,
+swapped or stale index is an error naming its file and rank.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import xxhash
+
+from ..errors import CorruptCheckpointError
+from . import schema as fmt
+
+if TYPE_CHECKING:
+    from ..storage import Storage
+
+INDEX_FORMAT = "fastckpt-index"
+INDEX_SUFFIX = ".fci"
+#: the largest index file read (one rank's chunks; the 70B state of docs/scale.md: ~0.5 MB)
+MAX_INDEX_BYTES = 1 << 28
+#: index files read at once (object stores: one GET each)
+READ_THREADS = 8
+_INDEX_RE = re.compile(r"^r\d{5,}-[A-Za-z0-9_-]{1,64}" + re.escape(INDEX_SUFFIX) + "$")
+
+
+def index_name(rank: int, save_id: str) -> str:
+    return f"r{rank:05d}-{save_id}{INDEX_SUFFIX}"
+
+
+def is_index_name(name: object) -> bool:
+    return isinstance(name, str) and bool(_INDEX_RE.match(name))
+
+
+def encode_index(rank: int, save_id: str, files: list[dict]) -> tuple[bytes, dict]:
+    """One rank's index file from its written files (``[{"file", "chunks": [{"fqn", ...}]}]``,
+    as the writer returns them); the bytes and the manifest's entry for them (without the
+    name)."""
+    chunks: dict[str, list] = {}
+    for f in files:
+        for c in f["chunks"]:
+            e = {"offsets": c["offsets"], "sizes": c["sizes"], "file": f["file"],
+                 "offset": c["offset"], "length": c["length"], "checksum": c["checksum"]}
+            if c.get("codec") is not None:
+                e["codec"] = c["codec"]
+            chunks.setdefault(c["fqn"], []).append(e)
+    doc = {"format": INDEX_FORMAT, "rank": rank, "save_id": save_id, "chunks": chunks}
+    data = (json.dumps(doc, separators=(",", ":"), allow_nan=False) + "\n").encode()
+    return data, {"size": len(data), "checksum": fmt.hexdigest(xxhash.xxh3_64_intdigest(data))}
+
+
+def expand(body: dict, docs: list[bytes], *, file: str, step_dir: str) -> dict:
+    """The manifest body with every rank's chunks (``docs[r]``: rank r's index bytes) merged
+    into its tensor table, validated as a whole; CorruptCheckpointError names the index file
+    and rank that is wrong."""
+    tensors = {fqn: {**t, "chunks": []} for fqn, t in body["tensors"].items()}
+    files = body["files"]
+    for r, (entry, data) in enumerate(zip(body["indexes"], docs)):
+        path = f"{step_dir}/{entry['file']}"
+
+        def bad(msg: str, key: str | None = None) -> CorruptCheckpointError:
+            return CorruptCheckpointError(f"invalid chunk index of rank {r}: {msg}", file=path,
+                                          key=key)
+        if len(data) != entry["size"] or (
+                fmt.hexdigest(xxhash.xxh3_64_intdigest(data)) != entry["checksum"]):
+            raise bad(f"its {len(data)} bytes do not match the manifest's size {entry['size']} "
+                      "and checksum (damaged, or not this save's index)")
+        try:
+            doc = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise bad(f"not valid JSON ({type(e).__name__})") from None
+        if (not isinstance(doc, dict) or doc.get("format") != INDEX_FORMAT
+                or doc.get("rank") != r or doc.get("save_id") != body["save_id"]):
+            raise bad(f"not the index of rank {r} of save {body['save_id']}")
+        chunks = doc.get("chunks")
+        if not isinstance(chunks, dict):
+            raise bad("'chunks' is not a mapping")
+        for fqn, cs in chunks.items():
+            t = tensors.get(fqn)
+            if t is None:
+                raise bad("lists a tensor the manifest does not hold", key=str(fqn))
+            if not isinstance(cs, list) or not all(isinstance(c, dict) for c in cs):
+                raise bad("its chunk list is not a list of mappings", key=fqn)
+            for c in cs:
+                if files.get(c.get("file"), {}).get("rank") != r:
+                    raise bad(f"a chunk is in file {c.get('file')!r}, which is not one of "
+                              f"rank {r}'s files in the manifest", key=fqn)
+                c["rank"] = r
+            t["chunks"].extend(cs)
+    out = {**body, "tensors": tensors}
+    fmt.validate_body(out, file=file, step=body["step"])
+    return out
+
+
+def read_indexes(storage: "Storage", step_dir: str, body: dict, *, file: str) -> dict | None:
+    """Read and merge a version-4 manifest's indexes (:func:`expand`); None when the step was
+    removed meanwhile (its manifest is gone: retention or gc removes the manifest first)."""
+    from ..errors import NotRegularFileError, StorageError
+    from .discovery import is_missing
+
+    def one(item: tuple[int, dict]) -> bytes | None:
+        rank, entry = item
+        path = f"{step_dir}/{entry['file']}"
+        try:
+            n = storage.size(path)
+            if n is None:
+                return None
+            if n != entry["size"] or n > MAX_INDEX_BYTES:
+                raise CorruptCheckpointError(
+                    f"the chunk index of rank {rank} holds {n} bytes; the manifest says "
+                    f"{entry['size']}" + (f" (more than the {MAX_INDEX_BYTES} fastckpt reads)"
+                                          if n > MAX_INDEX_BYTES else ""), file=path)
+            return storage.read_bytes(path)
+        except NotRegularFileError as e:
+            raise CorruptCheckpointError(f"the chunk index of rank {rank} is not a regular file "
+                                         f"({e})", file=path) from None
+        except StorageError as e:
+            if is_missing(e):
+                return None
+            raise
+    entries = body["indexes"]
+    with ThreadPoolExecutor(max(1, min(READ_THREADS, len(entries))),
+                            thread_name_prefix="fastckpt-index") as ex:
+        docs = list(ex.map(one, enumerate(entries)))
+    lost = [r for r, d in enumerate(docs) if d is None]
+    if lost:
+        if storage.size(file) is None:
+            return None  # the step was removed while its indexes were read
+        names = ", ".join(f"rank {r} ({entries[r]['file']})" for r in lost[:8])
+        raise CorruptCheckpointError(
+            f"the step's manifest names chunk indexes that are missing: {names}"
+            f"{' and more' if len(lost) > 8 else ''}; the step is damaged (an older committed "
+            "step still loads)", file=file)
+    return expand(body, docs, file=file, step_dir=step_dir)
