@@ -7,8 +7,11 @@ Each contender runs in a fresh subprocess (``--child``), one after the other, re
 ``--reps`` times in rotated order; medians are reported:
 
 * ``fastckpt``: ``Checkpointer.save`` of model + Adam state, ``--saves`` times; the stall is
-  the time ``save`` takes to return (staged). The child also times one plain ``copy_`` of the
-  same bytes into already-touched buffers (the memcpy floor, best of 3), then runs ``--saves``
+  the time ``save`` takes to return (staged). The child also times two copies of the same
+  bytes into already-touched buffers (best of 3 each): torch's ``copy_`` (on its intra-op
+  threads: what a DCP stager does) and the fastest copy this host does, the native
+  ``copy_many`` on as many threads (non-temporal stores; the floor fastckpt's own staging
+  copy runs at since 2026-12-05), then runs ``--saves``
   more saves each right after a timed memcpy (paired: the median of stall/memcpy is the ratio
   least moved by this VM's shifting memory bandwidth), and records the process's RSS
   after every save and its peak above the state's own.
@@ -62,6 +65,23 @@ def _state(size: int, seed: int = 0):
     return m, opt, geom["state_bytes"], geom["width"]
 
 
+def _fast_copier(dst, src):
+    """The fastest copy of ``src`` into ``dst`` (lists of tensors) on this host: the native
+    ``copy_many`` on fastckpt's staging thread count (None where the extension is not built)."""
+    from fastckpt.engine.staging import copy_threads
+    from fastckpt.storage import native
+    if not native.native_available():
+        return None
+    io, threads = native.get_backend("require"), copy_threads(None)
+    jobs = [(d.data_ptr(), s.data_ptr(), s.nbytes) for d, s in zip(dst, src)]
+
+    def run() -> float:
+        t = time.perf_counter()
+        io.copy_many(jobs, threads)
+        return time.perf_counter() - t
+    return run
+
+
 def child_fastckpt(a) -> dict:
     import torch
 
@@ -93,6 +113,8 @@ def child_fastckpt(a) -> dict:
         for d, s in zip(dst, src):
             d.copy_(s)
         copies.append(time.perf_counter() - t)
+    fast = _fast_copier(dst, src)
+    fast_copies = [fast() for _ in range(3)] if fast else [float("nan")]
     # paired: each save right after a timed memcpy of the same bytes, so both see the same
     # moment's memory bandwidth (this VM's moves by tens of percent between seconds); after the
     # RSS measurement above, since the memcpy's destination is a second copy of the state
@@ -111,7 +133,8 @@ def child_fastckpt(a) -> dict:
             h.wait()
             time.sleep(0.2)
     return {"bytes": nbytes, "stalls": stalls, "rss_after_save_mib": rss, "peak_rss_mib": peak,
-            "pool_bytes": pool, "memcpy_s": min(copies), "paired_stall_memcpy_s": paired}
+            "pool_bytes": pool, "memcpy_s": min(copies), "memcpy_fast_s": min(fast_copies),
+            "paired_stall_memcpy_s": paired}
 
 
 def child_dcp_async(a, stager: bool = False) -> dict:
@@ -176,6 +199,7 @@ def child_paired(a) -> dict:
                                           use_async_staging=False, use_non_blocking_copy=False))
     rounds: list[dict] = []
     n = [0]
+    memfast = _fast_copier(dst, src)
 
     def memcpy() -> float:
         t = time.perf_counter()
@@ -216,8 +240,9 @@ def child_paired(a) -> dict:
             for i in range(a.saves):
                 r: dict = {"order": order[i % 3:] + order[:i % 3]}
                 for what in r["order"]:
-                    if what == "memcpy":
+                    if what == "memcpy":  # both floors, one after the other
                         r["memcpy_s"] = memcpy()
+                        r["memcpy_fast_s"] = memfast() if memfast else float("nan")
                     elif what == "fastckpt":
                         r["fastckpt_s"] = fast(ck)
                     else:
@@ -317,6 +342,9 @@ def main() -> None:
     vs_sd = med([x["fastckpt_s"] / (x["dcp_stage_s"] + x["dcp_state_dict_s"]) for x in pr])
     dcp_memcpy = med([x["dcp_stage_s"] / x["memcpy_s"] for x in pr])
     fast_memcpy = med([x["fastckpt_s"] / x["memcpy_s"] for x in pr])
+    memcpy_fast = med([r["memcpy_fast_s"] for r in f])
+    fast_floor = med([x["fastckpt_s"] / x["memcpy_fast_s"] for x in pr])
+    dcp_floor = med([x["dcp_stage_s"] / x["memcpy_fast_s"] for x in pr])
     rss = [r["rss_after_save_mib"] for r in f]
     peak = med([r["peak_rss_mib"] for r in f])
     state_mib = f[0]["bytes"] / C.MiB
@@ -334,6 +362,9 @@ def main() -> None:
         "paired_fastckpt_over_dcp_best_staging": vs_stage,
         "paired_fastckpt_over_dcp_best_with_state_dict": vs_sd,
         "paired_fastckpt_over_memcpy": fast_memcpy, "paired_dcp_best_over_memcpy": dcp_memcpy,
+        "memcpy_fast_s": memcpy_fast, "stall_over_memcpy_fast": stall_later / memcpy_fast,
+        "paired_fastckpt_over_memcpy_fast": fast_floor,
+        "paired_dcp_best_over_memcpy_fast": dcp_floor,
         "paired_dcp_state_dict_s": med([x["dcp_state_dict_s"] for x in pr]),
         "peak_rss_above_state_mib": peak, "rss_budget_mib": 1.1 * state_mib + 200,
         "rss_after_each_save_mib": rss,
@@ -344,6 +375,9 @@ def main() -> None:
     print(f"  state {state_mib:.0f} MiB; stall 1st save {stall_first:.3f} s, later saves "
           f"{stall_later:.3f} s; memcpy {memcpy:.3f} s (best of 3) -> {stall_later / memcpy:.2f} x "
           f"memcpy; paired (each save right after a memcpy, median of the ratios) {paired:.2f} x")
+    print(f"  fastest copy (native copy_many, non-temporal, fastckpt's thread count) "
+          f"{memcpy_fast:.3f} s -> {stall_later / memcpy_fast:.2f} x; paired {fast_floor:.3f} x "
+          f"(DCP best {dcp_floor:.3f} x)")
     print(f"  DCP async_save stall {dcp_stall:.3f} s -> fastckpt/DCP {stall_later / dcp_stall:.2f}")
     print(f"  DCP async_save with a reused DefaultStager (its best here) {dcp_best:.3f} s -> "
           f"fastckpt/DCP-best {stall_later / dcp_best:.2f}")

@@ -44,6 +44,10 @@ class CheckpointOptions:
     staging_cap_bytes: host memory the staging buffers may use (None: as much as the rank's
         state, allocated once and reused; ``save`` then stalls for one memcpy). Above the cap the
         pieces are staged as the writer frees buffers, so the stall grows with the overflow.
+    copy_threads: threads of an async save's staging copy of CPU tensors (the training stall;
+        one glibc memcpy thread does not saturate a host's memory bandwidth). None: torch's
+        intra-op thread count (``torch.get_num_threads()``, 1 under torchrun with several ranks
+        a node unless OMP_NUM_THREADS says otherwise), at most 16.
     strict: a key the state has but the checkpoint lacks (or a module key the checkpoint has
         but the module lacks) is an error on load.
 
@@ -113,6 +117,7 @@ class CheckpointOptions:
     verify: bool = True
     strict: bool = True
     staging_cap_bytes: int | None = None
+    copy_threads: int | None = None
     grace_s: float | None = None
     signal_grace_s: dict | None = None
     preempt: bool = False
@@ -152,6 +157,11 @@ class CheckpointOptions:
         if self.staging_cap_bytes is not None and self.staging_cap_bytes < 0:
             raise ValueError(f"staging_cap_bytes must be >= 0 or None, got "
                              f"{self.staging_cap_bytes!r}")
+        if self.copy_threads is not None and (not isinstance(self.copy_threads, int)
+                                              or isinstance(self.copy_threads, bool)
+                                              or not 1 <= self.copy_threads <= 64):
+            raise ValueError(f"copy_threads must be an int in 1..64 or None, got "
+                             f"{self.copy_threads!r}")
         if self.native not in ("auto", "require", "off"):
             raise ValueError(f"native must be 'auto', 'require' or 'off', got {self.native!r} "
                              "(FASTCKPT_NATIVE)")

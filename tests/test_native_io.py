@@ -473,3 +473,79 @@ def test_copy_between_addresses(backend):
     backend.copy(a_dst, a_src, 0)
     with pytest.raises(ValueError):
         backend.copy(0, a_src, 5)
+
+
+# --------------------------------------------------------------------------------------------
+# copy_many: the async save's staging copy
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+def test_copy_many_copies_every_range_and_nothing_else(backend, threads):
+    """Ranges of odd sizes and alignments (crossing the thread shares' cuts, the non-temporal
+    loop's 1 MiB threshold and its 16 KiB blocks) land exactly; the bytes around each
+    destination are untouched; the number of threads used follows the 4 MiB-a-thread rule."""
+    rng = random.Random(threads)
+    sizes = [0, 1, 63, 4096, 16383, (1 << 20) - 1, 1 << 20, 5 * MiB + 17, 9 * MiB + 4093]
+    rng.shuffle(sizes)
+    srcs, dsts, copies = [], [], []
+    for i, n in enumerate(sizes):
+        s = aligned_buffer(n + 128)
+        s[:n + 128] = random.Random(i).randbytes(n + 128)
+        d = aligned_buffer(n + 256)
+        d[:] = b"\xa5" * len(d)
+        so, do = rng.randrange(64), 64 + rng.randrange(64)  # unaligned both sides
+        srcs.append((s, so)), dsts.append((d, do))
+        copies.append((_pyio._address(d) + do, _pyio._address(s) + so, n))
+    used = backend.copy_many(copies, threads)
+    total = sum(sizes)
+    assert used == max(1, min(threads, total // _pyio.COPY_MIN_SHARE))
+    for n, (s, so), (d, do) in zip(sizes, srcs, dsts):
+        assert bytes(d[do:do + n]) == bytes(s[so:so + n]), n
+        assert bytes(d[:do]) == b"\xa5" * do and bytes(d[do + n:]) == b"\xa5" * (len(d) - do - n)
+
+
+def test_copy_many_bad_arguments(backend):
+    buf = aligned_buffer(4096)
+    a = _pyio._address(buf)
+    with pytest.raises(ValueError, match="null address|negative"):
+        backend.copy_many([(a, a + 2048, 16), (0, a, 5)], 2)
+    with pytest.raises(ValueError, match="null address|negative"):
+        backend.copy_many([(a, a + 2048, -1)], 1)
+    with pytest.raises((TypeError, ValueError)):
+        backend.copy_many([(a, a + 2048)], 1)
+    assert backend.copy_many([], 4) == 1 and backend.copy_many([(a, a + 2048, 0)], 4) == 1
+
+
+def test_split_shares_equal_and_covering():
+    """The Python backend's split (the C one mirrors it): every byte in exactly one share, in
+    order, shares within 64 bytes of equal, cuts on 64-byte boundaries of the concatenation."""
+    rng = random.Random(3)
+    for _ in range(50):
+        copies, d, s = [], 1 << 40, 1 << 41
+        for _ in range(rng.randint(1, 12)):
+            n = rng.choice([0, 1, 100, 1 << 20, 3 * MiB + 5, 17 * MiB + 1])
+            copies.append((d, s, n))
+            d, s = d + n + 4096, s + n + 4096
+        threads = rng.randint(1, 9)
+        shares = _pyio.split_shares(copies, threads)
+        total = sum(n for _, _, n in copies)
+        assert len(shares) == max(1, min(threads, total // _pyio.COPY_MIN_SHARE))
+        flat = [c for sh in shares for c in sh]
+        # re-joined in order, the pieces give back the ranges
+        joined, i = [], 0
+        for dd, ss, n in copies:
+            if n == 0:
+                continue
+            got = 0
+            while got < n:
+                pd, ps, pn = flat[i]
+                assert (pd, ps) == (dd + got, ss + got) and pn > 0
+                got, i = got + pn, i + 1
+            assert got == n
+        assert i == len(flat)
+        sizes = [sum(c[2] for c in sh) for sh in shares]
+        assert sum(sizes) == total
+        if len(shares) > 1:
+            assert max(sizes[:-1]) - min(sizes[:-1]) == 0 and sizes[0] % 64 == 0
+            assert sizes[-1] <= sizes[0] + len(shares)  # the remainder of total // shares

@@ -213,3 +213,50 @@ def test_zero_copy_files_match_staged_bytes(tmp_path):
                                                            s.spec.nbytes) for s in p.slots]
     # the 2.8 MB tensor's first 2 MiB-piece row range is written from its memory
     assert gather_piece(pieces[0], data, backends[0]).direct_bytes >= 1 << 20
+
+
+@pytest.mark.parametrize("native", ["off", "require"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_async_staging_copy_many(tmp_path, native, threads, monkeypatch):
+    """An async save's staging copy goes through one ``copy_many`` of every contiguous CPU
+    slot (strided, empty and row-split tensors around it), and the checkpoint loads bit-exact;
+    a later save after the state changed stores the new bytes (the pool is reused)."""
+    from fastckpt.storage import native as _native
+    if native == "require" and not _native.native_available():
+        pytest.skip(_native.native_error())
+    monkeypatch.setenv("FASTCKPT_NATIVE", native)
+    calls = []
+    import fastckpt.engine.core as core
+    real = core.copy_all
+
+    def spy(io, copies, n):
+        calls.append((len(copies), sum(c[2] for c in copies), n))
+        return real(io, copies, n)
+    monkeypatch.setattr(core, "copy_all", spy)
+    st = _mixed_state()
+    root = str(tmp_path / "ck")
+    with fastckpt.Checkpointer(root, copy_threads=threads) as ck:
+        ck.save(st, step=1).wait()
+        before = {k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
+        st["big"].add_(1)
+        ck.save(st, step=2).wait()
+    contiguous = sum(v.nbytes for v in st.values()
+                     if isinstance(v, torch.Tensor) and v.is_contiguous())
+    assert [c[1:] for c in calls] == [(contiguous, threads)] * 2
+    assert all(c[0] >= 4 for c in calls)  # big (in rows), odd, bf, small
+    for step, want in [(1, {**st, **before}), (2, st)]:
+        out = _blank_like(st)
+        assert fastckpt.load(out, root, step=step) == step
+        for k, v in want.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(out[k], v), (step, k)
+
+
+def test_copy_threads_option():
+    from fastckpt.engine.staging import copy_threads
+    assert copy_threads(3) == 3
+    assert 1 <= copy_threads(None) <= 16 and copy_threads(None) == min(16, torch.get_num_threads())
+    from fastckpt.options import CheckpointOptions
+    for bad in (0, 65, True, 2.0):
+        with pytest.raises(ValueError, match="copy_threads"):
+            CheckpointOptions(copy_threads=bad)

@@ -59,8 +59,8 @@ from .plan import (PlanExchange, check_user_meta, local_chunks, raise_setup_erro
                    setup_failures)
 from .compress import Compression
 from .tiering import Tier
-from .staging import (StagingPool, first_piece_bytes, gather_piece, piece_bytes, split,
-                      stage_piece)
+from .staging import (StagingPool, copy_all, copy_threads, first_piece_bytes, gather_piece,
+                      piece_bytes, split, stage_piece)
 from .state import flatten
 from .writer import Job, Writer
 
@@ -406,18 +406,21 @@ class Engine:
         staged = []
         capped = self._pool.capped
         io = self.storage.io if capped else None
+        copies: list | None = None if capped else []  # uncapped: one multi-threaded memcpy
         try:
             if stager is not None:
                 stager.begin_save()
             for piece in job.plan.pieces:
                 buf = self._pool.acquire(piece.index)  # capped pool: waits for the writer
-                hashes = stage_piece(piece, buf, data, io, stager)
+                hashes = stage_piece(piece, buf, data, io, stager, copies)
                 # device chunks are still being copied: the writer waits for `ready`
                 ready = stager.end_piece() if stager is not None else None
                 if capped:
                     job.pieces.put((piece, buf, hashes, ready))
                 else:
                     staged.append((piece, buf, hashes, ready))
+            if copies:
+                copy_all(self.storage.io, copies, copy_threads(self.options.copy_threads))
             for item in staged:
                 job.pieces.put(item)
             if stager is not None:  # the caller's later kernels run after the copies

@@ -120,6 +120,13 @@ class IOBackend(Protocol):
         """memcpy between raw addresses (valid, non-overlapping) with the GIL released."""
         ...
 
+    def copy_many(self, copies: Sequence[tuple[int, int, int]], threads: int) -> int:
+        """memcpy every ``(dst_address, src_address, nbytes)`` (valid, no destination
+        overlapping a source or another destination) with the GIL released, the total split
+        evenly over up to ``threads`` threads (none started for less than 4 MiB a thread);
+        returns the number of threads used. The staging copy of an async save."""
+        ...
+
     def write_segments(self, path: str, nbytes: int, segments: Sequence[tuple[int, int, int]],
                        hash_ranges: Sequence[tuple[int, int]], *, direct: bool = True,
                        fsync: bool = True) -> list[int]:
@@ -170,6 +177,9 @@ class NativeBackend:
 
     def copy(self, dst_address, src_address, nbytes):
         _ext.copy(dst_address, src_address, nbytes)
+
+    def copy_many(self, copies, threads):
+        return _ext.copy_many(copies, threads)
 
     def write_segments(self, path, nbytes, segments, hash_ranges, *, direct=True, fsync=True):
         return _ext.write_segments(os.fspath(path), nbytes, segments, hash_ranges, direct, fsync,

@@ -94,6 +94,30 @@ def populate(address: int, nbytes: int) -> bool:
     return True
 
 
+COPY_MIN_SHARE = 4 << 20  # copy_many starts no thread for less than this
+
+
+def split_shares(copies: Sequence[tuple[int, int, int]], threads: int) -> list[list[tuple]]:
+    """``copies`` ((dst, src, nbytes) ranges) cut into at most ``threads`` lists of equal byte
+    counts (cuts on 64-byte boundaries; a range may be split between two), at least
+    ``COPY_MIN_SHARE`` bytes each: the split ``copy_many`` runs (native/fastckpt_io.c does the
+    same in C)."""
+    total = sum(c[2] for c in copies)
+    want = max(1, min(int(threads), 64, total // COPY_MIN_SHARE))
+    each = (total // want + 63) & ~63
+    shares: list[list[tuple]] = [[] for _ in range(want)]
+    pos = 0
+    for d, s, n in copies:
+        a = pos
+        while a < pos + n:
+            k = min(a // each, want - 1) if each else 0
+            z = min(pos + n, (k + 1) * each) if k < want - 1 else pos + n
+            shares[k].append((d + (a - pos), s + (a - pos), z - a))
+            a = z
+        pos += n
+    return shares
+
+
 class _PyBuffer(ctypes.Structure):
     _fields_ = [
         ("buf", ctypes.c_void_p),
@@ -469,6 +493,25 @@ class PythonBackend:
             raise ValueError("copy: null address or negative length")
         if nbytes:
             ctypes.memmove(dst_address, src_address, nbytes)
+
+    def copy_many(self, copies, threads):
+        for i, c in enumerate(copies):
+            if len(c) != 3:
+                raise ValueError(f"copy_many: copy {i} is not (dst, src, nbytes)")
+            if c[2] < 0 or (c[2] and (not c[0] or not c[1])):
+                raise ValueError(f"copy_many: copy {i} has a null address or a negative length")
+        shares = split_shares(copies, threads)
+
+        def run(share):
+            for d, s, n in share:  # ctypes releases the GIL around each call
+                ctypes.memmove(d, s, n)
+        workers = [threading.Thread(target=run, args=(sh,), daemon=True) for sh in shares[1:]]
+        for w in workers:
+            w.start()
+        run(shares[0])
+        for w in workers:
+            w.join()  # memmove of memory the caller holds: always ends
+        return len(shares)
 
     def copy_hash(self, dst, dst_offset, src_address, nbytes, *, hash=True):
         mv = _byte_view(dst, writable=True)
