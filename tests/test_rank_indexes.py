@@ -27,7 +27,7 @@ from fastckpt.storage import open_storage
 from fastckpt.tools.verify import verify_step
 from tests.crafted import read_doc, write_doc
 from tests.distributed import run
-from tests.models import assert_same, fsdp_mlp, full_state, train_step
+from tests.models import assert_same, fsdp_mlp, full_state, mlp, train_step
 
 pytest_plugins = ["tests.s3fixtures"]
 
@@ -69,10 +69,16 @@ def test_indexed_fsdp2_saves_load_at_every_world_size(tmp_path):
     for n, root in roots.items():
         doc = _doc(root, 3)
         body = doc["body"]
-        assert doc["format_version"] == 4
+        assert doc["format_version"] == 5
         assert [e["file"] for e in body["indexes"]] == [
             idx.index_name(r, body["save_id"]) for r in range(n)]
-        assert all("chunks" not in t for t in body["tensors"].values())  # only in the indexes
+        # the DTensor shards' chunks are in the indexes only; the written-once tensors (the
+        # optimizer's replicated step counts) are listed inline too, each by one rank
+        inline = {f for f, t in body["tensors"].items() if "chunks" in t}
+        assert inline == {f for f, t in body["tensors"].items() if not t["dtensor"]}
+        assert inline and all(f.endswith(".step") for f in inline), inline
+        # each written once, by the rank the plan gave it to
+        assert all(len(body["tensors"][f]["chunks"]) == 1 for f in inline)
         for e in body["indexes"]:
             data = open(os.path.join(_step_dir(root, 3), e["file"]), "rb").read()
             assert len(data) == e["size"]
@@ -181,9 +187,12 @@ def _swapped(root, step):  # the index of step 1 in place of step 2's: another s
     return "do not match the manifest's size"
 
 
-def _outside(root, step):
+INLINE_DIFFERS = "not the ones its writers' indexes list"
+
+
+def _outside(root, step):  # "w" is listed in the manifest too (format 5): they differ
     _rewrite_index(root, step, lambda d: d["chunks"]["w"][0].update(offsets=[2999]))
-    return "lies outside the shape"
+    return INLINE_DIFFERS
 
 
 def _foreign_tensor(root, step):
@@ -203,7 +212,7 @@ def _other_rank(root, step):
 
 def _past_the_file(root, step):
     _rewrite_index(root, step, lambda d: d["chunks"]["w"][0].update(offset=1 << 40))
-    return "past its recorded size"
+    return INLINE_DIFFERS
 
 
 @pytest.mark.parametrize("fault", [_damaged, _missing, _swapped, _outside, _foreign_tensor,
@@ -227,7 +236,8 @@ def test_a_bad_index_is_named_and_the_older_step_loads(tmp_path, fault, caplog):
 @pytest.mark.parametrize("edit, want", [
     (lambda b: b["indexes"][0].update(file="../r00000-x.fci"), "not a valid index file name"),
     (lambda b: b["indexes"].append(dict(b["indexes"][0])), "one entry per rank"),
-    (lambda b: b["tensors"]["w"].update(chunks=[]), "lists chunks"),
+    (lambda b: b["tensors"]["w"].update(chunks=[]), "hold 0 of the tensor's 3000 elements"),
+    (lambda b: b["tensors"]["w"].update(per_rank=True), "per-rank tensor lists its chunks"),
     (lambda b: b["indexes"][0].update(size=-1), "not a valid index file name, size"),
 ])
 def test_a_crafted_manifest_index_entry_is_refused(tmp_path, edit, want):
@@ -329,3 +339,112 @@ def _load_data(rank, world, root, per_rank_value):
         state["data"] = {"pos": None}
     step = fastckpt.load(state, root)
     return step, state.get("data")
+
+
+# ------------------------------------------------------- a rank reads its own index only
+
+def _load_reading(rank, world, root, plain=False, step=None):
+    """Load ``root`` into a fresh FSDP2 (or, ``plain``, an unsharded) model + Adam; (the step
+    loaded, the state, the index files this rank read)."""
+    from fastckpt.storage.local import LocalStorage
+    read = []
+    real = LocalStorage.read_bytes
+
+    def spy(self, path, *a, **k):
+        if path.endswith(idx.INDEX_SUFFIX):
+            read.append(os.path.basename(path))
+        return real(self, path, *a, **k)
+    LocalStorage.read_bytes = spy
+    try:
+        m = mlp(7) if plain else fsdp_mlp(7)
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        state = {"model": m, "optim": opt, "step": 0}
+        got = fastckpt.load(state, root, step=step)
+    finally:
+        LocalStorage.read_bytes = real
+    return got, full_state(m, opt), read
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_loading_at_the_saved_world_size_reads_only_its_own_index(tmp_path, world):
+    """FSDP2 at the saved world size: each rank reads the manifest and its own index (its
+    shards, and the replicated step counts listed inline), not the others': a restart's reading
+    stays flat in the world size (docs/scale.md). Bit-exact."""
+    root = str(tmp_path / "own")
+    want = run(_fsdp_save, world, root, (1, 2))[0][0]
+    save_id = _doc(root, 2)["body"]["save_id"]
+    for r, (step, got, read) in enumerate(run(_load_reading, world, root)):
+        assert step == 2
+        assert read == [idx.index_name(r, save_id)], (r, read)
+        assert_same(want, got)
+
+
+def test_another_sharding_at_the_same_world_size_reads_every_index(tmp_path):
+    """Saved by 2 FSDP2 ranks, loaded by 2 ranks holding whole tensors: a rank's own index does
+    not cover what it loads, so it reads every index (the coverage check) and loads bit-exact."""
+    root = str(tmp_path / "resharded")
+    want = run(_fsdp_save, 2, root, (1,))[0][0]
+    save_id = _doc(root, 1)["body"]["save_id"]
+    for r, (step, got, read) in enumerate(run(_load_reading, 2, root, True)):
+        assert step == 1
+        assert read[0] == idx.index_name(r, save_id), read  # its own, then both
+        assert sorted(read) == sorted([read[0]] + [idx.index_name(k, save_id) for k in range(2)])
+        assert_same(want, got)
+
+
+def test_a_damaged_index_of_another_rank_still_skips_the_step_on_every_rank(tmp_path, caplog):
+    """Step 2's index of rank 1 is damaged: rank 0, reading only its own, would take step 2
+    where rank 1 cannot; the load's agreement sees it and every rank reads every index again,
+    so all skip step 2 and load step 1, as before own-index reads."""
+    root = str(tmp_path / "other")
+    run(_fsdp_save, 2, root, (1,))
+    first = run(_load_reading, 2, root)
+    run(_fsdp_save, 2, root, (2,))
+    body = _doc(root, 2)["body"]
+    p = os.path.join(_step_dir(root, 2), body["indexes"][1]["file"])
+    data = bytearray(open(p, "rb").read())
+    data[len(data) // 2] ^= 0x20
+    open(p, "wb").write(bytes(data))
+    out = run(_load_reading, 2, root)
+    for r, (step, got, read) in enumerate(out):
+        assert step == 1, (r, step)
+        assert_same(first[r][1], got)
+    # an explicit step 2 fails on every rank, naming rank 1's index
+    for r, res in enumerate(run(_load_step_error, 2, root, 2)):
+        assert "invalid chunk index of rank 1" in res, (r, res)
+
+
+def _load_step_error(rank, world, root, step):
+    try:
+        _load_reading(rank, world, root, step=step)
+    except Exception as e:  # noqa: BLE001 - the message is what the test checks
+        return str(e)
+    return "loaded"
+
+
+def test_read_manifest_own_gives_a_partial_body(tmp_path):
+    """read_manifest(own=(r, N)) reads rank r's index alone (the others may be gone): the
+    inline chunks and rank r's, validated chunk by chunk; the full read needs every index."""
+    from fastckpt.manifest.discovery import is_partial
+    root = str(tmp_path / "partial")
+    run(_fsdp_save, 2, root, (3,))
+    d = _step_dir(root, 3)
+    full = read_manifest(open_storage(root), d, step=3)
+    os.remove(os.path.join(d, full["indexes"][0]["file"]))
+    st = open_storage(root)
+    part = read_manifest(st, d, step=3, own=(1, 2))
+    assert is_partial(part, (1, 2)) and not is_partial(part, (1, 4))
+    for fqn, t in part["tensors"].items():
+        if t["dtensor"]:
+            assert {c["rank"] for c in t["chunks"]} == {1}, fqn
+        assert "chunks" in t
+    inline = [f for f, t in full["tensors"].items() if not t["dtensor"]]
+    assert inline and all(part["tensors"][f]["chunks"] == full["tensors"][f]["chunks"]
+                          for f in inline)
+    with pytest.raises(CorruptCheckpointError, match="missing: rank 0"):
+        read_manifest(st, d, step=3)
+    with pytest.raises(CorruptCheckpointError, match="missing: rank 0"):
+        read_manifest(st, d, step=3, own=(0, 2))
+    # another world size reads every index
+    with pytest.raises(CorruptCheckpointError, match="missing: rank 0"):
+        read_manifest(st, d, step=3, own=(1, 4))

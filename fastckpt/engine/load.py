@@ -18,7 +18,7 @@ import torch
 
 from ..errors import FastCkptError, StepRemovedError
 from ..manifest import schema as fmt
-from ..manifest.discovery import find_step
+from ..manifest.discovery import find_step, is_partial
 from ..storage import Storage
 from . import dist as _dist
 from .dtypes import tensor_meta
@@ -81,20 +81,100 @@ def load_into(storage: Storage, state: dict | None, *, step: int | None = None,
     every tensor it loads, and plain values and sub-states are put back only at the end.
     """
     group = group if group is not None else _dist.Group()
-    for attempt in range(1, LOAD_ATTEMPTS + 1):
+    own = state is not None  # first each rank reads only its own chunk index (if indexed)
+    attempt = 0
+    while True:
+        attempt += 1
         try:
             return _load_once(storage, state, step=step, verify=verify, strict=strict,
-                              group=group, timeout_s=timeout_s)
+                              group=group, timeout_s=timeout_s, own=own)
+        except _ReadEveryIndex:  # every rank, together: the ranks' own-index reads disagreed
+            own = False
+            attempt -= 1
+            continue
         except StepRemovedError as e:
             if step is not None or attempt == LOAD_ATTEMPTS:
                 raise
             log.warning("fastckpt: %s; loading the newest step again (attempt %d of %d)", e,
                         attempt + 1, LOAD_ATTEMPTS)
-    raise AssertionError("unreachable")  # pragma: no cover
+
+
+class _ReadEveryIndex(Exception):
+    """(every rank alike) The own-index load did not agree: load again reading every index."""
+
+
+def _prepare(storage: Storage, state: dict | None, step: int | None, *, verify: bool,
+             strict: bool, rank: int, world: int, own: bool) -> tuple:
+    """(this rank) Find the step, check its files, plan the destinations: (step, reader,
+    plan, state). ``own``: of an indexed step saved at this world size, read the manifest and
+    this rank's own index only; if the chunks they hold do not cover every box this rank
+    loads (another sharding), read the step again with every index."""
+    found_step, d, body = find_step(storage, step, own=(rank, world) if own else None)
+    partial = own and is_partial(body, (rank, world))
+    mpath = f"{d}/{fmt.MANIFEST}"
+    tree = fmt.tree_for_rank(body, rank, world, file=mpath)
+    meta = tensor_meta(body, file=mpath)
+    reader = FastCkptReader(storage, body=body, step_dir=d, verify=verify, rank=rank,
+                            world_size=world, partial=partial)
+    reader.check_per_rank()
+    if partial and state is not None and not _covered(
+            reader, plan_load(state, tree, meta, strict=strict, alloc=_dry_alloc).targets):
+        log.info("fastckpt: step %d: this rank's own chunk index does not hold every box it "
+                 "loads; reading every rank's index", found_step)
+        return _prepare(storage, state, found_step, verify=verify, strict=strict, rank=rank,
+                        world=world, own=False)
+    reader.check_files()  # the files really hold what the manifest says, before allocating
+    alloc = lambda fqn, m, like=None: alloc_in_phase(body, fqn, m, like)  # noqa: E731
+    if state is None:  # the whole checkpoint, as saved
+        state, plan = plan_read(tree, meta, alloc=alloc)
+    else:
+        plan = plan_load(state, tree, meta, strict=strict, alloc=alloc)
+    return found_step, reader, plan, state
+
+
+def _dry_alloc(fqn: str, meta: dict, like: torch.Tensor | None = None) -> torch.Tensor:
+    """plan_load's allocator for the coverage check of a partial body: nothing allocated
+    (a crafted shape must not allocate before the files are checked): the DTensor the new
+    tensor would be laid out like, or a tensor on the meta device."""
+    if like is not None:
+        return like
+    return torch.empty(tuple(meta["shape"]), dtype=meta["dtype"], device="meta")
+
+
+def _covered(reader: FastCkptReader, targets: dict) -> bool:
+    """Whether the chunks of ``reader``'s (partial) body cover every box of ``targets`` this
+    rank reads: its local shard of a DTensor, a whole regular tensor (its own copy of a
+    per-rank one). The chunks of one tensor do not overlap (validated), so a box is covered
+    when the volumes of its intersections with them add up to its own."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    md = reader.read_metadata().state_dict_metadata
+    for fqn, t in targets.items():
+        saved = md.get(fqn)
+        if not isinstance(saved, TensorStorageMetadata):
+            continue  # not a stored tensor: the planner's own error (or a partial load)
+        if is_dtensor(t):
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+            sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh,
+                                                                   t.placements)
+            if tuple(sizes) != tuple(t.to_local().shape):
+                return False  # a layout we do not know: read everything
+        else:
+            sizes, offsets = tuple(t.shape), (0,) * t.dim()
+        want = math.prod(sizes)
+        have = 0
+        for c in saved.chunks:
+            n = 1
+            for o, s, co, cs in zip(offsets, sizes, c.offsets, c.sizes):
+                n *= max(0, min(o + s, co + cs) - max(o, co))
+            have += n
+        if have != want:
+            return False
+    return True
 
 
 def _load_once(storage: Storage, state: dict | None, *, step: int | None, verify: bool,
-               strict: bool, group: "_dist.Group", timeout_s: float) -> tuple[int, dict]:
+               strict: bool, group: "_dist.Group", timeout_s: float,
+               own: bool = False) -> tuple[int, dict]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -104,19 +184,9 @@ def _load_once(storage: Storage, state: dict | None, *, step: int | None, verify
     plan = reader = None
     found_step = None
     try:
-        found_step, d, body = find_step(storage, step)
-        mpath = f"{d}/{fmt.MANIFEST}"
-        tree = fmt.tree_for_rank(body, rank, world, file=mpath)
-        meta = tensor_meta(body, file=mpath)
-        reader = FastCkptReader(storage, body=body, step_dir=d, verify=verify, rank=rank,
-                                world_size=world)
-        reader.check_per_rank()
-        reader.check_files()  # the files really hold what the manifest says, before allocating
-        alloc = lambda fqn, m, like=None: alloc_in_phase(body, fqn, m, like)  # noqa: E731
-        if state is None:  # the whole checkpoint, as saved
-            state, plan = plan_read(tree, meta, alloc=alloc)
-        else:
-            plan = plan_load(state, tree, meta, strict=strict, alloc=alloc)
+        found_step, reader, plan, state = _prepare(storage, state, step, verify=verify,
+                                                   strict=strict, rank=rank, world=world,
+                                                   own=own)
     except BaseException as e:
         err = e
     # agree before the collective read: one rank's problem must not hang the others
@@ -126,6 +196,12 @@ def _load_once(storage: Storage, state: dict | None, *, step: int | None, verify
          isinstance(err, StepRemovedError)], _agreement, timeout_s=timeout_s,
         what="load: the agreement before the collective read")
     steps = agreed["steps"]
+    if own and (len(steps) > 1 or agreed["n_bad"]):
+        # a rank whose own index is damaged skipped the step (or failed) where the others,
+        # which did not read that index, took it: decide again, every rank reading every
+        # index, so that all skip (or all fail on) the same damaged step as they did before
+        # own-index loads
+        raise _ReadEveryIndex()
     if step is None and ((len(steps) > 1 and None not in steps) or agreed["removed"]):
         # a writer committed (and retention removed) between the ranks' listings
         raise StepRemovedError(f"the newest step changed while the ranks looked for it (ranks "

@@ -55,8 +55,11 @@ class FastCkptReader(StorageReader):
     def __init__(self, root: str | Storage, step: int | None = None, *, verify: bool = True,
                  rank: int | None = None, world_size: int | None = None,
                  body: dict | None = None, step_dir: str | None = None,
-                 storage_options: dict | None = None) -> None:
+                 storage_options: dict | None = None, partial: bool = False) -> None:
         super().__init__()
+        #: ``body`` holds one rank's part of an indexed step (the inline chunks and its own
+        #: index's, fastckpt/manifest/index.py): only the files its chunks name are checked
+        self.partial = partial
         self.storage = (root if isinstance(root, Storage)
                         else open_storage(str(root), storage_options=storage_options))
         if body is None:
@@ -438,7 +441,9 @@ class FastCkptReader(StorageReader):
         """Check every shard file the manifest lists (present, a regular file, of the recorded
         size) before anything is allocated or read: the validated manifest's tensors fit its
         files, so after this they fit what is really there."""
-        for name in sorted(self.body["files"]):
+        names = ({c["file"] for t in self.body["tensors"].values() for c in t["chunks"]}
+                 if self.partial else self.body["files"])
+        for name in sorted(names):
             self._check_file(name)
 
     def _check_file(self, name: str) -> str:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import math
 import os
 import queue
 import socket
@@ -190,9 +191,14 @@ class Writer:
                     if piece is not None:
                         self._release(buf, ready)
             if job.my_index is not None:  # the chunks are in the index: names and sizes only
+                # (and the chunks of tensors that are not DTensor shards: the coordinator lists
+                # the written-once ones in the manifest too, format 5)
+                sharded = {c.fqn for c in plan.my_chunks if c.dtensor}
                 result = {"ok": True, "index": job.my_index,
                           "files": [{k: f[k] for k in ("file", "piece", "size")}
-                                    for f in files]}
+                                    for f in files],
+                          "inline": [{**c, "file": f["file"]} for f in files
+                                     for c in f["chunks"] if c["fqn"] not in sharded]}
             else:
                 result = {"ok": True, "files": files}
             # the skeleton travels with the result (only the coordinator needs it), and only
@@ -339,12 +345,16 @@ class Writer:
         trees = results
         files: dict[str, dict] = {}
         compressed = False
+        inline: dict = {}
         indexes = [res.get("index") for res in results]
         if plan.indexed and all(indexes):  # format 4: the chunks stay in the ranks' indexes
             tensors = {fqn: dict(m) for fqn, m in plan.tensors.items()}
             for r, res in enumerate(results):
                 for f in res["files"]:
                     files[f["file"]] = {"rank": r, "size": f["size"]}
+            inline = _inline_chunks(tensors, results)
+            for fqn, chunks in inline.items():
+                tensors[fqn]["chunks"] = chunks
             results = []
         elif any(indexes):
             raise FastCkptError("ranks disagree on whether the save is indexed: rank(s) "
@@ -377,7 +387,7 @@ class Writer:
             self.lease.check()
         # indexes: version 4; compressed chunks: 3 (an older reader would take their bytes as
         # raw)
-        version = 4 if indexes else 3 if compressed else plan.format_version
+        version = (5 if inline else 4) if indexes else 3 if compressed else plan.format_version
         data = fmt.encode_manifest(body, max(plan.format_version, version))
         st.publish_manifest(f"{d}/{fmt.MANIFEST}", data)
         job.files = set(files) | {i["file"] for i in indexes}
@@ -433,3 +443,22 @@ class Writer:
 def _torch_version() -> str:
     import torch  # already imported by the engine; recorded in the manifest
     return str(torch.__version__)
+
+
+def _inline_chunks(tensors: dict, results: list[dict]) -> dict[str, list]:
+    """(coordinator, an indexed save) The chunks the manifest lists itself (format 5): those of
+    every tensor written once (not a DTensor, not per rank) whose chunks from the ranks'
+    results cover it exactly; each as the index entry plus its rank."""
+    out: dict[str, list] = {}
+    for r, res in enumerate(results):
+        for c in res.get("inline") or ():
+            m = tensors.get(c["fqn"])
+            if m is None or m.get("dtensor") or m.get("per_rank"):
+                continue
+            e = {"offsets": c["offsets"], "sizes": c["sizes"], "rank": r, "file": c["file"],
+                 "offset": c["offset"], "length": c["length"], "checksum": c["checksum"]}
+            if c.get("codec") is not None:
+                e["codec"] = c["codec"]
+            out.setdefault(c["fqn"], []).append(e)
+    return {fqn: cs for fqn, cs in out.items()
+            if sum(math.prod(c["sizes"]) for c in cs) == math.prod(tensors[fqn]["shape"])}

@@ -39,14 +39,17 @@ def list_steps(storage: Storage) -> list[tuple[int, str]]:
 
 
 def read_manifest(storage: Storage, step_dir: str, *, step: int | None = None,
-                  chunks: bool = True) -> dict | None:
+                  chunks: bool = True, own: tuple[int, int] | None = None) -> dict | None:
     """The validated manifest body of a step directory; None if it has no manifest (or it was
     removed between the stat and the read). CorruptCheckpointError when it is damaged, crafted,
     too large, or not a regular file; StorageError when the storage cannot be read.
 
     A version-4 manifest's chunk lists are in per-rank index files (fastckpt/manifest/index.py),
     read and merged here; ``chunks=False`` skips them (the body then has no ``chunks`` in its
-    tensors): for callers that need only the step, its save id, files or metadata."""
+    tensors): for callers that need only the step, its save id, files or metadata.
+    ``own=(rank, world_size)``: when the step was saved with indexes by ``world_size`` ranks,
+    read ``rank``'s index only: a partial body (:func:`fastckpt.manifest.index.expand`), which
+    :func:`is_partial` tells apart."""
     path = f"{step_dir}/{fmt.MANIFEST}"
     try:
         n = storage.size(path)
@@ -66,8 +69,16 @@ def read_manifest(storage: Storage, step_dir: str, *, step: int | None = None,
     body = fmt.decode_manifest(data, file=path, step=step)
     if chunks and "indexes" in body:
         from .index import read_indexes
-        return read_indexes(storage, step_dir, body, file=path)
+        mine = own[0] if own is not None and is_partial(body, own) else None
+        return read_indexes(storage, step_dir, body, file=path, own=mine)
     return body
+
+
+def is_partial(body: dict, own: tuple[int, int] | None) -> bool:
+    """Whether ``read_manifest(..., own=own)`` gives a partial body for this manifest: it has
+    per-rank indexes and was saved at ``own``'s world size."""
+    return (own is not None and "indexes" in body and body["world_size"] == own[1]
+            and 0 <= own[0] < own[1])
 
 
 def is_missing(e: BaseException) -> bool:
@@ -77,7 +88,8 @@ def is_missing(e: BaseException) -> bool:
 
 
 def find_step(storage: Storage, step: int | None = None, *,
-              skipped: list | None = None) -> tuple[int, str, dict]:
+              skipped: list | None = None,
+              own: tuple[int, int] | None = None) -> tuple[int, str, dict]:
     """The requested step, or the newest step with a valid manifest.
 
     ``step=None``: a step whose manifest is damaged is skipped with a warning naming it (and
@@ -92,11 +104,12 @@ def find_step(storage: Storage, step: int | None = None, *,
     instant with no committed step, never "a writer was busy".
 
     ``step=N``: that step or CheckpointNotFoundError; a damaged manifest raises
-    CorruptCheckpointError naming it.
+    CorruptCheckpointError naming it. ``own``: see :func:`read_manifest` (a step is then
+    valid for this rank: only its own index was read).
     """
     if step is not None:
         d = storage.join(fmt.step_dirname(step))
-        body = read_manifest(storage, d, step=step)
+        body = read_manifest(storage, d, step=step, own=own)
         if body is None:
             raise CheckpointNotFoundError(f"step {step} has no committed checkpoint under "
                                           f"{storage.root}", file=d)
@@ -107,7 +120,7 @@ def find_step(storage: Storage, step: int | None = None, *,
         hit = None
         for s, d in (reversed(listing) if newest_first else listing):
             try:
-                body = read_manifest(storage, d, step=s)
+                body = read_manifest(storage, d, step=s, own=own)
             except CorruptCheckpointError as e:
                 bad[s] = e
                 continue

@@ -17,6 +17,16 @@ A reader merges every index into the manifest's tensor table (:func:`expand`) an
 result exactly like a version-1 manifest (``schema.validate_body``); an index is accepted only
 if its bytes hash to the manifest's checksum, so a manifest pins its indexes: a damaged,
 swapped or stale index is an error naming its file and rank.
+
+**Inline chunks (format 5).** A tensor written once (not a DTensor shard, not per rank: a
+replicated value such as an optimizer's ``step``, each stored by the one rank the plan gave it
+to) also lists its chunks in the manifest, copied by the coordinator from the ranks' commit
+results; its writer's index still holds them (a full merge checks that the two agree). The
+count of such chunks depends on the model, not on the world size. A rank that loads at the
+saved world size then reads the manifest and **its own index only** (:func:`read_indexes` with
+``own``): its shards of every DTensor are in its index, its per-rank values too, and the
+replicated values are inline. The load checks that the chunks it has cover every box it reads
+and falls back to every index when they do not (another world size, another sharding).
 """
 
 from __future__ import annotations
@@ -68,13 +78,28 @@ def encode_index(rank: int, save_id: str, files: list[dict]) -> tuple[bytes, dic
     return data, {"size": len(data), "checksum": fmt.hexdigest(xxhash.xxh3_64_intdigest(data))}
 
 
-def expand(body: dict, docs: list[bytes], *, file: str, step_dir: str) -> dict:
+def _key(c: dict) -> tuple:
+    return (tuple(c["offsets"]), tuple(c["sizes"]), c["file"], c["offset"], c["length"],
+            c["checksum"], c["rank"], json.dumps(c.get("codec"), sort_keys=True))
+
+
+def expand(body: dict, docs: list, *, file: str, step_dir: str,
+           own: int | None = None) -> dict:
     """The manifest body with every rank's chunks (``docs[r]``: rank r's index bytes) merged
     into its tensor table, validated as a whole; CorruptCheckpointError names the index file
-    and rank that is wrong."""
+    and rank that is wrong. A tensor with inline chunks (format 5) keeps them; the chunks its
+    writers' indexes list must be the same ones.
+
+    ``own=r``: only rank r's index is given (``docs[r]``, the others None): the body holds the
+    inline chunks and rank r's, validated chunk by chunk (``chunks="partial"``): a tensor's
+    other boxes are absent."""
+    inline = {fqn for fqn, t in body["tensors"].items() if "chunks" in t}
     tensors = {fqn: {**t, "chunks": []} for fqn, t in body["tensors"].items()}
+    seen: dict[str, list] = {fqn: [] for fqn in inline}
     files = body["files"]
     for r, (entry, data) in enumerate(zip(body["indexes"], docs)):
+        if data is None and own is not None and r != own:
+            continue
         path = f"{step_dir}/{entry['file']}"
 
         def bad(msg: str, key: str | None = None) -> CorruptCheckpointError:
@@ -105,15 +130,30 @@ def expand(body: dict, docs: list[bytes], *, file: str, step_dir: str) -> dict:
                     raise bad(f"a chunk is in file {c.get('file')!r}, which is not one of "
                               f"rank {r}'s files in the manifest", key=fqn)
                 c["rank"] = r
-            t["chunks"].extend(cs)
+            (seen[fqn] if fqn in inline else t["chunks"]).extend(cs)
+    for fqn in inline:
+        listed = tensors[fqn]["chunks"] = body["tensors"][fqn]["chunks"]
+        if own is not None:  # the indexes read: rank `own`'s, which holds its own writes
+            listed = [c for c in listed if c.get("rank") == own]
+        try:
+            agree = sorted(map(_key, seen[fqn])) == sorted(map(_key, listed))
+        except (KeyError, TypeError):
+            agree = False
+        if not agree:
+            raise CorruptCheckpointError(
+                "invalid manifest: the chunks it lists for this tensor are not the ones its "
+                "writers' indexes list", file=file, key=fqn)
     out = {**body, "tensors": tensors}
-    fmt.validate_body(out, file=file, step=body["step"])
+    fmt.validate_body(out, file=file, step=body["step"],
+                      chunks=True if own is None else "partial")
     return out
 
 
-def read_indexes(storage: "Storage", step_dir: str, body: dict, *, file: str) -> dict | None:
+def read_indexes(storage: "Storage", step_dir: str, body: dict, *, file: str,
+                 own: int | None = None) -> dict | None:
     """Read and merge a version-4 manifest's indexes (:func:`expand`); None when the step was
-    removed meanwhile (its manifest is gone: retention or gc removes the manifest first)."""
+    removed meanwhile (its manifest is gone: retention or gc removes the manifest first).
+    ``own=r``: rank r's index only (a partial body, see :func:`expand`)."""
     from ..errors import NotRegularFileError, StorageError
     from .discovery import is_missing
 
@@ -138,10 +178,15 @@ def read_indexes(storage: "Storage", step_dir: str, body: dict, *, file: str) ->
                 return None
             raise
     entries = body["indexes"]
-    with ThreadPoolExecutor(max(1, min(READ_THREADS, len(entries))),
-                            thread_name_prefix="fastckpt-index") as ex:
-        docs = list(ex.map(one, enumerate(entries)))
-    lost = [r for r, d in enumerate(docs) if d is None]
+    if own is not None:
+        docs: list = [None] * len(entries)
+        docs[own] = one((own, entries[own]))
+        lost = [own] if docs[own] is None else []
+    else:
+        with ThreadPoolExecutor(max(1, min(READ_THREADS, len(entries))),
+                                thread_name_prefix="fastckpt-index") as ex:
+            docs = list(ex.map(one, enumerate(entries)))
+        lost = [r for r, d in enumerate(docs) if d is None]
     if lost:
         if storage.size(file) is None:
             return None  # the step was removed while its indexes were read
@@ -150,4 +195,4 @@ def read_indexes(storage: "Storage", step_dir: str, body: dict, *, file: str) ->
             f"the step's manifest names chunk indexes that are missing: {names}"
             f"{' and more' if len(lost) > 8 else ''}; the step is damaged (an older committed "
             "step still loads)", file=file)
-    return expand(body, docs, file=file, step_dir=step_dir)
+    return expand(body, docs, file=file, step_dir=step_dir, own=own)

@@ -33,9 +33,13 @@ FORMAT_NAME = "fastckpt"
 #: tensor) and per-rank tensors (``"per_rank": true``, one copy per saving rank). 3 adds
 #: compressed chunks (a ``"codec"`` description, ``length`` the stored bytes). 4 moves the
 #: chunk lists into per-rank index files (``"indexes"``, see fastckpt/manifest/index.py); the
-#: manifest keeps the tensor table, the files and the skeleton. A manifest is written with the
+#: manifest keeps the tensor table, the files and the skeleton. 5: a version-4 manifest whose
+#: written-once tensors (neither DTensor shards nor per rank: replicated values such as an
+#: optimizer's ``step``, plain tensors) also list their chunks in the manifest, the same
+#: entries their writers' indexes hold, so a rank loading at the saved world size reads the
+#: manifest and its own index only (fastckpt/manifest/index.py). A manifest is written with the
 #: lowest version that holds what it uses, readable by older fastckpt.
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 HASH_NAME = "xxh3_64"
 ALIGN = 4096
 SMALL_ALIGN = 64
@@ -214,7 +218,7 @@ def too_deep(x: object, limit: int = MAX_NESTING) -> list | None:
 
 
 def validate_body(body: dict, *, file: str, step: int | None = None,
-                  chunks: bool = True) -> None:
+                  chunks: bool | str = True) -> None:
     """Check every field of a manifest body a reader relies on; raise CorruptCheckpointError
     naming the file, the tensor and the field.
 
@@ -227,8 +231,11 @@ def validate_body(body: dict, *, file: str, step: int | None = None,
     the files (so nothing larger than the files is allocated before they are checked).
 
     ``chunks=False``: a version-4 manifest before its per-rank indexes are merged in (its
-    tensors have no chunk lists yet); its ``indexes`` are checked (one per rank, safe names,
-    sizes, checksums), the chunks later, with the merged body.
+    tensors have no chunk lists yet, but for version 5's inline ones, checked in full here);
+    its ``indexes`` are checked (one per rank, safe names, sizes, checksums), the chunks later,
+    with the merged body. ``chunks="partial"``: one rank's part of such a body (the inline
+    chunks and its own index's): each chunk is checked and no two overlap, but a tensor need
+    not be covered (the load checks that the boxes it reads are, fastckpt/engine/load.py).
     """
     def bad(msg: str, key: str | None = None) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"invalid manifest: {msg}", file=file, key=key)
@@ -292,7 +299,7 @@ def _validate_indexes(indexes: object, world: int, bad) -> None:
 
 
 def _validate_tensor(fqn: object, t: object, files: dict, world: int, bad,
-                     with_chunks: bool = True) -> None:
+                     with_chunks: bool | str = True) -> None:
     if not isinstance(fqn, str) or not isinstance(t, dict):
         raise bad("a tensor entry is not a mapping", key=str(fqn))
     isz = DTYPES.get(t.get("dtype")) if isinstance(t.get("dtype"), str) else None
@@ -302,10 +309,14 @@ def _validate_tensor(fqn: object, t: object, files: dict, world: int, bad,
     if (not isinstance(shape, list) or len(shape) > MAX_NDIM
             or not all(_is_int(n) and n >= 0 for n in shape)):
         raise bad(f"shape {shape!r} is not a list of non-negative ints", key=fqn)
-    if not with_chunks:
-        if "chunks" in t:
-            raise bad("a tensor of a manifest with per-rank indexes lists chunks", key=fqn)
-        return
+    cover = with_chunks is True
+    if with_chunks is False:
+        if "chunks" not in t:
+            return
+        if t.get("per_rank"):  # inline chunks (version 5): written-once tensors only
+            raise bad("a per-rank tensor lists its chunks in a manifest with per-rank indexes",
+                      key=fqn)
+        cover = True
     chunks = t.get("chunks")
     if not isinstance(chunks, list):
         raise bad("'chunks' is not a list", key=fqn)
@@ -358,7 +369,7 @@ def _validate_tensor(fqn: object, t: object, files: dict, world: int, bad,
     for c, box in zip([c for c in chunks if math.prod(c["sizes"])], boxes):
         groups.setdefault(c["rank"] if per_rank else None, []).append(box)
     counts = {r: sum(math.prod(b[1]) for b in bs) for r, bs in groups.items()} or {None: 0}
-    for r, n in counts.items():
+    for r, n in counts.items() if cover else ():
         if n != want:
             of = f" of rank {r}" if per_rank else ""
             raise bad(f"the chunks{of} hold {n} of the tensor's {want} elements", key=fqn)
