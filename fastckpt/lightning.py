@@ -336,7 +336,8 @@ class RNGCallback(Callback):
         group = self._ranks()
         if group.world_size == 1:
             return {"world_size": 1, "ranks": [mine]}
-        ranks = group.gather(_to_json(mine), timeout_s=self.timeout_s,
+        # every rank holds the same value (saved once); through rank 0: O(N) store commands
+        ranks = group.decide(_to_json(mine), _every, timeout_s=self.timeout_s,
                              what="RNGCallback: every rank's random generators")
         return {"world_size": len(ranks), "ranks": [_from_json(r) for r in ranks]}
 
@@ -490,13 +491,23 @@ class ModelParallelStrategy(_ModelParallelStrategy):
         if self._agree is None:
             self._agree = _dist.Group(collective=True, name="fastckpt.lightning.mp")
         mine = None if error is None else f"{type(error).__name__}: {error}"
-        statuses = self._agree.gather(mine, timeout_s=fio.options.plan_timeout_s, what=what)
+        bad = self._agree.decide(mine, _failed, timeout_s=fio.options.plan_timeout_s,
+                                 what=what)
         if error is not None:
             raise error
-        bad = [(r, m) for r, m in enumerate(statuses) if m]
         if bad:
             raise FastCkptError(f"{what} failed on other ranks: " +
                                 "; ".join(f"rank {r}: {m}" for r, m in bad))
+
+
+def _every(values: list) -> list:
+    """(rank 0, ``Group.decide``) every rank's value, in rank order."""
+    return values
+
+
+def _failed(statuses: list) -> list:
+    """(rank 0, ``Group.decide``) ``[rank, error]`` of the first 8 ranks that failed."""
+    return [[r, m] for r, m in enumerate(statuses) if m][:8]
 
 
 def _dcp_safe(x: Any, path: tuple, inside: bool = False) -> None:

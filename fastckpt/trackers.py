@@ -170,8 +170,8 @@ class TrackerRun:
                                        f"{self.run_id!r}: {type(e).__name__}: {e}",
                                        rank=0) from e
                 mine["error"] = f"{type(e).__name__}: {e}"
-        first = ckpt.group.gather(mine, timeout_s=timeout_s,
-                                  what="tracker.start: sharing rank 0's run id")[0]
+        first = ckpt.group.decide(mine, _rank_0s, timeout_s=timeout_s,
+                                  what="tracker.start: sharing rank 0's run id")
         if first["error"] is not None:
             raise TrackerError(f"{type(self).__name__}: rank 0 could not start run "
                                f"{self.run_id!r}: {first['error']}", rank=rank)
@@ -366,3 +366,8 @@ class MlflowRun(TrackerRun):
             mlflow.end_run(self._status or "FINISHED")
         elif terminate:
             self._client.set_terminated(self.run_id, self._status or "FINISHED")
+
+
+def _rank_0s(values: list) -> Any:
+    """(rank 0, ``Group.decide``) rank 0's value: its run id or its error."""
+    return values[0]

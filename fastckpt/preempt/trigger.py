@@ -366,18 +366,19 @@ class Preemption:
     def _check_allreduce(self, state: dict, step: int) -> Any:
         local = self._local[0][1] if self._local else None
         kill = self.kill_wall if self._local else None
-        flags = self.group.gather([local, self.cancel, kill], timeout_s=self.opts.plan_timeout_s,
-                                  what=f"preemption check at step {step}")
-        firsts = [f for f, _, _ in flags if f is not None]
-        if not firsts:
+        # to rank 0 alone, which answers with the reduction: O(N) through the store per
+        # step where an all-to-all gather is O(N^2)
+        first, cancel, kill = self.group.decide(
+            [local, self.cancel, kill], _reduce_flags, timeout_s=self.opts.plan_timeout_s,
+            what=f"preemption check at step {step}")
+        if first is None:
             return None
         self.pending = True
-        self.cancel = any(c for _, c, _ in flags)
-        kills = [k for _, _, k in flags if k is not None]
-        self._set_deadline(min(firsts), min(kills) if kills else None)
+        self.cancel = cancel
+        self._set_deadline(first, kill)
         self.stop_step = step
         self.event("consensus", stop_step=step, mode="allreduce",
-                   agreed_after_s=round(time.time() - min(firsts), 4), cancel=self.cancel)
+                   agreed_after_s=round(time.time() - first, 4), cancel=self.cancel)
         self.agreed.set()
         return self._emergency(state, step)
 
@@ -581,3 +582,13 @@ def _destroy_process_group() -> None:
         _dist.destroy()
     except Exception as e:
         log.warning("fastckpt: destroy_process_group failed: %s", e)
+
+
+def _reduce_flags(flags: list) -> list:
+    """(rank 0, the allreduce consensus) Every rank's ``[first signal time or None, cancel,
+    kill time or None]`` reduced to one: the earliest signal (None: no rank was signalled),
+    whether any rank was cancelled, the earliest kill time."""
+    firsts = [f for f, _, _ in flags if f is not None]
+    kills = [k for _, _, k in flags if k is not None]
+    return [min(firsts) if firsts else None, any(c for _, c, _ in flags),
+            min(kills) if kills else None]
