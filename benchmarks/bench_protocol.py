@@ -663,7 +663,7 @@ class Worker:
         from fastckpt.engine.plan import PlanExchange
         groups, counters = self.groups(spec)
         tree = skeleton_tree() if spec.get("payload") is None else None
-        values = [PlanExchange.full_value(
+        values = [PlanExchange().full_value(
             "0123456789ab", [] if tree is None else plan_entry(r, self.world, tree)["specs"],
             error=None, aliases=0) for r in self.ranks]
         plans = [PlanExchange() for _ in self.ranks]
