@@ -291,6 +291,58 @@ def test_the_remote_tier_uploads_each_ranks_index(tmp_path, s3):
     assert torch.equal(dest["w"], state["w"])
 
 
+def _tiered_save(rank, world, local, url, opts):
+    m = fsdp_mlp(0)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    train_step(m, opt, 1, rank, world)
+    h = fastckpt.save({"model": m, "optim": opt, "step": 1}, local, step=1, remote=url,
+                      storage_options=opts, rank_indexes=1)
+    return full_state(m, opt), h.remote_committed
+
+
+def _tiered_load(rank, world, local, url, opts):
+    """A resume across the tiers with the local root gone: (step, state, the index files
+    this rank read, from either tier)."""
+    from fastckpt.storage.local import LocalStorage
+    from fastckpt.storage.s3 import S3Storage
+    read = []
+    real = {c: c.read_bytes for c in (LocalStorage, S3Storage)}
+
+    def spy(cls):
+        def read_bytes(self, path, *a, **k):
+            if path.endswith(idx.INDEX_SUFFIX):
+                read.append(os.path.basename(path))
+            return real[cls](self, path, *a, **k)
+        return read_bytes
+    for c in real:
+        c.read_bytes = spy(c)
+    try:
+        m = fsdp_mlp(7)
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        got = fastckpt.load({"model": m, "optim": opt, "step": 0}, local, remote=url,
+                            storage_options=opts)
+    finally:
+        for c, f in real.items():
+            c.read_bytes = f
+    return got, full_state(m, opt), read
+
+
+def test_a_tiered_resume_reads_each_ranks_own_index_remotely(tmp_path, s3):
+    """2 FSDP2 ranks save with a remote tier, the node's disk is lost, both resume from the
+    object store: each rank's step discovery and load read its own index only (twice: the
+    tiers' agreement, then the load), and the state comes back bit-exact."""
+    local = str(tmp_path / "tier2")
+    url = s3.url("tier-own")
+    saved = run(_tiered_save, 2, local, url, _opts(s3))
+    assert all(committed for _, committed in saved)
+    save_id = _doc(local, 1)["body"]["save_id"]
+    shutil.rmtree(local)
+    for r, (step, got, read) in enumerate(run(_tiered_load, 2, local, url, _opts(s3))):
+        assert step == 1
+        assert set(read) == {idx.index_name(r, save_id)}, (r, read)
+        assert_same(saved[0][0], got)
+
+
 # ---------------------------------------------------------------- skeletons sent once
 
 def _tree_senders(rank, world, root, per_rank_value):

@@ -465,11 +465,19 @@ class Tier:
         """(all ranks) Load the newest committed step of either tier (or ``step``), from the
         local root when every rank has it there; see the module docstring."""
         group = self.engine.group
-        mine = {"local": _newest(self.engine.storage, step),
-                "remote": _newest(self.storage, step)}
-        # (to rank 0 alone, which answers with the summary: O(N) where a gather is O(N^2))
-        seen = group.decide(mine, _tiers_seen, timeout_s=timeout_s,
-                            what="load: the tiers' newest steps")
+        # first each rank validates only its own chunk index of an indexed step (see
+        # load_into); if the ranks' views differ, every rank looks again reading every index,
+        # so that a damaged index of one rank makes all of them pass over that step alike
+        own = (group.rank, group.world_size) if state is not None else None
+        while True:
+            mine = {"local": _newest(self.engine.storage, step, own),
+                    "remote": _newest(self.storage, step, own)}
+            # (to rank 0 alone, which answers with the summary: O(N) where a gather is O(N^2))
+            seen = group.decide(mine, _tiers_seen, timeout_s=timeout_s,
+                                what="load: the tiers' newest steps")
+            if own is None or seen.get("alike", True):
+                break
+            own = None
         best = seen["best"]
         if best is None:
             where = f"step {step}" if step is not None else "no committed checkpoint"
@@ -511,10 +519,11 @@ def _skipped(job: Any) -> None:
     job.handle._remote_done.set()
 
 
-def _newest(st: Storage, step: int | None) -> int | None:
-    """The newest committed step of a tier (or ``step`` if committed there), else None."""
+def _newest(st: Storage, step: int | None, own: tuple[int, int] | None = None) -> int | None:
+    """The newest committed step of a tier (or ``step`` if committed there), else None;
+    ``own``: see ``find_step`` (of an indexed step, only this rank's index is read)."""
     try:
-        return find_step(st, step)[0]
+        return find_step(st, step, own=own)[0]
     except (CheckpointNotFoundError, CorruptCheckpointError):
         return None
     except StorageError as e:
@@ -541,10 +550,12 @@ __all__ = ["Tier", "Upload", "TIERS_FILE", "remote_display"]
 
 def _tiers_seen(views: list[dict]) -> dict:
     """(rank 0, ``Group.decide``) From every rank's newest step per tier: the newest step of
-    all, whether every rank has it in each tier, and the first ranks whose view differs."""
+    all, whether every rank has it in each tier, the first ranks whose view differs from
+    it, and whether every rank's view is the same (``alike``)."""
     found = [v[t] for v in views for t in ("local", "remote") if v[t] is not None]
     best = max(found) if found else None
     differ = [[r, v["local"], v["remote"]] for r, v in enumerate(views)
               if v["local"] != best or v["remote"] != best]
     return {"best": best, "local": all(v["local"] == best for v in views),
-            "remote": all(v["remote"] == best for v in views), "differ": differ[:8]}
+            "remote": all(v["remote"] == best for v in views), "differ": differ[:8],
+            "alike": len({(v["local"], v["remote"]) for v in views}) == 1}
