@@ -1275,7 +1275,7 @@ def manifest_cost(n: int, gathered: list, tree: Any) -> dict:
     part = idx.expand(body, [d if r == own else None for r, (d, _) in enumerate(docs)],
                       file="manifest.json", step_dir="step-1", own=own)
     t3 = time.perf_counter()
-    inline_chunks = sum(len(t["chunks"]) for t in body["tensors"].values() if "chunks" in t)
+    inline_chunks = sum(len(cs) for cs in body.get("inline", {}).values())
     out["indexed"] = {"index_bytes_per_rank": round(sum(len(d) for d, _ in docs) / n),
                       "rank_encode_index_s": round(encode_s, 4),
                       "every_tree": {"result_bytes_per_rank": round(sum(map(len, all_trees)) / n),

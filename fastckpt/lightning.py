@@ -497,7 +497,7 @@ class ModelParallelStrategy(_ModelParallelStrategy):
             raise error
         if bad:
             raise FastCkptError(f"{what} failed on other ranks: " +
-                                "; ".join(f"rank {r}: {m}" for r, m in bad))
+                                "; ".join(m if r is None else f"rank {r}: {m}" for r, m in bad))
 
 
 def _every(values: list) -> list:
@@ -506,8 +506,10 @@ def _every(values: list) -> list:
 
 
 def _failed(statuses: list) -> list:
-    """(rank 0, ``Group.decide``) ``[rank, error]`` of the first 8 ranks that failed."""
-    return [[r, m] for r, m in enumerate(statuses) if m][:8]
+    """(rank 0, ``Group.decide``) ``[rank, error]`` of the first 8 ranks that failed, and
+    ``[None, "and N more rank(s)"]`` after them when there were more."""
+    bad = [[r, m] for r, m in enumerate(statuses) if m]
+    return bad[:8] + ([[None, f"and {len(bad) - 8} more rank(s)"]] if len(bad) > 8 else [])
 
 
 def _dcp_safe(x: Any, path: tuple, inside: bool = False) -> None:

@@ -1321,7 +1321,9 @@ static PyObject *py_copy_many(PyObject *self, PyObject *args) {
     pthread_t th[FCK_COPY_MAX_THREADS];
     int started = 0;
     Py_BEGIN_ALLOW_THREADS
-    uint64_t each = (total / (uint64_t)want + 63) & ~(uint64_t)63; /* cache-line cuts */
+    /* shares of 64-byte multiples of the concatenated ranges (two threads may still meet
+     * inside one destination cache line where a range starts unaligned: correct, rare) */
+    uint64_t each = (total / (uint64_t)want + 63) & ~(uint64_t)63;
     for (int k = 0; k < want; k++) {
         uint64_t lo = each * (uint64_t)k, hi = k == want - 1 ? total : lo + each;
         shares[k] = (copy_share_t){tab, n, lo < total ? lo : total, hi < total ? hi : total};

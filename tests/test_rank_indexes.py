@@ -69,16 +69,16 @@ def test_indexed_fsdp2_saves_load_at_every_world_size(tmp_path):
     for n, root in roots.items():
         doc = _doc(root, 3)
         body = doc["body"]
-        assert doc["format_version"] == 5
+        assert doc["format_version"] == 4  # older readers ignore "inline"
         assert [e["file"] for e in body["indexes"]] == [
             idx.index_name(r, body["save_id"]) for r in range(n)]
+        assert all("chunks" not in t for t in body["tensors"].values())  # only in the indexes
         # the DTensor shards' chunks are in the indexes only; the written-once tensors (the
-        # optimizer's replicated step counts) are listed inline too, each by one rank
-        inline = {f for f, t in body["tensors"].items() if "chunks" in t}
+        # optimizer's replicated step counts) are listed inline too, each once, by one rank
+        inline = set(body["inline"])
         assert inline == {f for f, t in body["tensors"].items() if not t["dtensor"]}
         assert inline and all(f.endswith(".step") for f in inline), inline
-        # each written once, by the rank the plan gave it to
-        assert all(len(body["tensors"][f]["chunks"]) == 1 for f in inline)
+        assert all(len(body["inline"][f]) == 1 for f in inline)
         for e in body["indexes"]:
             data = open(os.path.join(_step_dir(root, 3), e["file"]), "rb").read()
             assert len(data) == e["size"]
@@ -190,7 +190,7 @@ def _swapped(root, step):  # the index of step 1 in place of step 2's: another s
 INLINE_DIFFERS = "not the ones its writers' indexes list"
 
 
-def _outside(root, step):  # "w" is listed in the manifest too (format 5): they differ
+def _outside(root, step):  # "w" is listed in the manifest's "inline" too: they differ
     _rewrite_index(root, step, lambda d: d["chunks"]["w"][0].update(offsets=[2999]))
     return INLINE_DIFFERS
 
@@ -236,8 +236,11 @@ def test_a_bad_index_is_named_and_the_older_step_loads(tmp_path, fault, caplog):
 @pytest.mark.parametrize("edit, want", [
     (lambda b: b["indexes"][0].update(file="../r00000-x.fci"), "not a valid index file name"),
     (lambda b: b["indexes"].append(dict(b["indexes"][0])), "one entry per rank"),
-    (lambda b: b["tensors"]["w"].update(chunks=[]), "hold 0 of the tensor's 3000 elements"),
-    (lambda b: b["tensors"]["w"].update(per_rank=True), "per-rank tensor lists its chunks"),
+    (lambda b: b["tensors"]["w"].update(chunks=[]), "lists chunks"),
+    (lambda b: b["inline"].update(w=[]), "hold 0 of the tensor's 3000 elements"),
+    (lambda b: b["tensors"]["w"].update(per_rank=True), "inline chunks of a per-rank tensor"),
+    (lambda b: b["inline"].update(evil=b["inline"]["w"]), "a tensor it does not hold"),
+    (lambda b: b["inline"]["w"][0].update(file="../x.fck"), "which the manifest does not list"),
     (lambda b: b["indexes"][0].update(size=-1), "not a valid index file name, size"),
 ])
 def test_a_crafted_manifest_index_entry_is_refused(tmp_path, edit, want):
@@ -291,13 +294,16 @@ def test_the_remote_tier_uploads_each_ranks_index(tmp_path, s3):
     assert torch.equal(dest["w"], state["w"])
 
 
-def _tiered_save(rank, world, local, url, opts):
+def _tiered_save(rank, world, local, url, opts, steps=(1,)):
     m = fsdp_mlp(0)
     opt = torch.optim.Adam(m.parameters(), lr=1e-2)
-    train_step(m, opt, 1, rank, world)
-    h = fastckpt.save({"model": m, "optim": opt, "step": 1}, local, step=1, remote=url,
-                      storage_options=opts, rank_indexes=1)
-    return full_state(m, opt), h.remote_committed
+    out = []
+    for s in steps:
+        train_step(m, opt, s, rank, world)
+        h = fastckpt.save({"model": m, "optim": opt, "step": s}, local, step=s, remote=url,
+                          storage_options=opts, rank_indexes=1)
+        out.append((full_state(m, opt), h.remote_committed))
+    return out[0] if len(out) == 1 else out
 
 
 def _tiered_load(rank, world, local, url, opts):
@@ -341,6 +347,25 @@ def test_a_tiered_resume_reads_each_ranks_own_index_remotely(tmp_path, s3):
         assert step == 1
         assert set(read) == {idx.index_name(r, save_id)}, (r, read)
         assert_same(saved[0][0], got)
+
+
+def test_a_damaged_remote_index_of_one_rank_makes_every_rank_resume_the_older_step(tmp_path,
+                                                                                   s3):
+    """Rank 1's index of step 2 is damaged in the object store and the local disk is gone:
+    rank 0 alone would take step 2; the tiers' agreement sees rank 1 pass over a damaged step,
+    every rank looks again with every index, and both resume step 1."""
+    local = str(tmp_path / "tier3")
+    url = s3.url("tier-damaged")
+    saved = run(_tiered_save, 2, local, url, _opts(s3), (1, 2))
+    name = _doc(local, 2)["body"]["indexes"][1]["file"]
+    key = f"{s3.path('tier-damaged', fmt.step_dirname(2))}/{name}"
+    data = bytearray(s3.fs.cat_file(key))
+    data[len(data) // 2] ^= 0x20
+    s3.fs.pipe_file(key, bytes(data))
+    shutil.rmtree(local)
+    for r, (step, got, read) in enumerate(run(_tiered_load, 2, local, url, _opts(s3))):
+        assert step == 1, (r, step)
+        assert_same(saved[0][0][0], got)
 
 
 # ---------------------------------------------------------------- skeletons sent once
@@ -493,6 +518,13 @@ def test_read_manifest_own_gives_a_partial_body(tmp_path):
     inline = [f for f, t in full["tensors"].items() if not t["dtensor"]]
     assert inline and all(part["tensors"][f]["chunks"] == full["tensors"][f]["chunks"]
                           for f in inline)
+    # a manifest without inline chunks (written before they were): every index, always
+    doc = _doc(root, 3)
+    del doc["body"]["inline"]
+    write_doc(root, 3, doc)
+    assert not is_partial(read_manifest(st, d, step=3, chunks=False), (1, 2))
+    with pytest.raises(CorruptCheckpointError, match="missing: rank 0"):
+        read_manifest(st, d, step=3, own=(1, 2))
     with pytest.raises(CorruptCheckpointError, match="missing: rank 0"):
         read_manifest(st, d, step=3)
     with pytest.raises(CorruptCheckpointError, match="missing: rank 0"):

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from ..errors import FastCkptError, StepRemovedError
+from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, FastCkptError,
+                      StepRemovedError)
 from ..manifest import schema as fmt
 from ..manifest.discovery import find_step, is_partial
 from ..storage import Storage
@@ -117,6 +118,8 @@ def _prepare(storage: Storage, state: dict | None, step: int | None, *, verify: 
     reader = FastCkptReader(storage, body=body, step_dir=d, verify=verify, rank=rank,
                             world_size=world, partial=partial)
     reader.check_per_rank()
+    # (plan_load makes no collective call: a rank may plan twice, or on another step than
+    # its peers, before the agreement that follows)
     if partial and state is not None and not _covered(
             reader, plan_load(state, tree, meta, strict=strict, alloc=_dry_alloc).targets):
         log.info("fastckpt: step %d: this rank's own chunk index does not hold every box it "
@@ -193,14 +196,15 @@ def _load_once(storage: Storage, state: dict | None, *, step: int | None, verify
     # (to rank 0 alone, which answers with the summary: O(N) where a gather is O(N^2))
     agreed = group.decide(
         [found_step, None if err is None else f"{type(err).__name__}: {err}",
-         isinstance(err, StepRemovedError)], _agreement, timeout_s=timeout_s,
-        what="load: the agreement before the collective read")
+         isinstance(err, StepRemovedError),
+         isinstance(err, (CorruptCheckpointError, CheckpointNotFoundError))],
+        _agreement, timeout_s=timeout_s, what="load: the agreement before the collective read")
     steps = agreed["steps"]
-    if own and (len(steps) > 1 or agreed["n_bad"]):
-        # a rank whose own index is damaged skipped the step (or failed) where the others,
-        # which did not read that index, took it: decide again, every rank reading every
-        # index, so that all skip (or all fail on) the same damaged step as they did before
-        # own-index loads
+    if own and (len(steps) > 1 or agreed["damaged"]):
+        # a rank whose own index is damaged skipped the step (or failed on it) where the
+        # others, which did not read that index, took it: decide again, every rank reading
+        # every index, so that all skip (or all fail on) the same damaged step as they did
+        # before own-index loads (any other error is raised as it is, below)
         raise _ReadEveryIndex()
     if step is None and ((len(steps) > 1 and None not in steps) or agreed["removed"]):
         # a writer committed (and retention removed) between the ranks' listings
@@ -291,9 +295,11 @@ AGREE_NAMED_MAX = 8
 
 def _agreement(statuses: list) -> dict:
     """(rank 0, ``Group.decide``) What every rank needs of the ranks' load statuses
-    ``[found step, error or None, step removed]``: the distinct steps found, whether a step
-    was removed under a rank, and the first ranks that failed with their errors."""
-    bad = [[r, m] for r, (_, m, _) in enumerate(statuses) if m]
-    return {"steps": list(dict.fromkeys(s for s, _, _ in statuses)),
-            "removed": any(removed for _, _, removed in statuses),
+    ``[found step, error or None, step removed, damaged or missing checkpoint]``: the
+    distinct steps found, whether a step was removed under a rank, whether a rank found a
+    damaged (or no) checkpoint, and the first ranks that failed with their errors."""
+    bad = [[r, s[1]] for r, s in enumerate(statuses) if s[1]]
+    return {"steps": list(dict.fromkeys(s[0] for s in statuses)),
+            "removed": any(s[2] for s in statuses),
+            "damaged": any(s[3] for s in statuses if len(s) > 3),
             "bad": bad[:AGREE_NAMED_MAX], "n_bad": len(bad)}

@@ -426,11 +426,19 @@ class FastCkptReader(StorageReader):
         whose files are in the page cache already (just written, or read before); yes
         otherwise (a restart reading GBs cold: no double copy, no cache pollution)."""
         if self._direct is None:
-            files = self.body["files"]
-            total = sum(f["size"] for f in files.values())
+            files = self._files()
+            total = sum(self.body["files"][n]["size"] for n in files)
             self._direct = total > SMALL_LOAD and not all(
                 self.storage.cached(f"{self.step_dir}/{n}") for n in files)
         return self._direct
+
+    def _files(self) -> list[str]:
+        """The shard files this reader may read: every file of the step, or of a partial body
+        (one rank's own index and the inline chunks) the files its chunks name."""
+        if self.partial:
+            return sorted({c["file"] for t in self.body["tensors"].values()
+                           for c in t["chunks"]})
+        return sorted(self.body["files"])
 
     @property
     def _io(self):
@@ -441,9 +449,7 @@ class FastCkptReader(StorageReader):
         """Check every shard file the manifest lists (present, a regular file, of the recorded
         size) before anything is allocated or read: the validated manifest's tensors fit its
         files, so after this they fit what is really there."""
-        names = ({c["file"] for t in self.body["tensors"].values() for c in t["chunks"]}
-                 if self.partial else self.body["files"])
-        for name in sorted(names):
+        for name in self._files():
             self._check_file(name)
 
     def _check_file(self, name: str) -> str:

@@ -466,16 +466,17 @@ class Tier:
         local root when every rank has it there; see the module docstring."""
         group = self.engine.group
         # first each rank validates only its own chunk index of an indexed step (see
-        # load_into); if the ranks' views differ, every rank looks again reading every index,
-        # so that a damaged index of one rank makes all of them pass over that step alike
+        # load_into); if any rank passed over a damaged step, every rank looks again reading
+        # every index, so that a damaged index of one rank makes all of them pass over it alike
         own = (group.rank, group.world_size) if state is not None else None
         while True:
-            mine = {"local": _newest(self.engine.storage, step, own),
-                    "remote": _newest(self.storage, step, own)}
+            (local, d1), (remote, d2) = (_newest(self.engine.storage, step, own),
+                                         _newest(self.storage, step, own))
+            mine = {"local": local, "remote": remote, "damaged": d1 or d2}
             # (to rank 0 alone, which answers with the summary: O(N) where a gather is O(N^2))
             seen = group.decide(mine, _tiers_seen, timeout_s=timeout_s,
                                 what="load: the tiers' newest steps")
-            if own is None or seen.get("alike", True):
+            if own is None or not seen.get("damaged"):
                 break
             own = None
         best = seen["best"]
@@ -519,16 +520,21 @@ def _skipped(job: Any) -> None:
     job.handle._remote_done.set()
 
 
-def _newest(st: Storage, step: int | None, own: tuple[int, int] | None = None) -> int | None:
-    """The newest committed step of a tier (or ``step`` if committed there), else None;
-    ``own``: see ``find_step`` (of an indexed step, only this rank's index is read)."""
+def _newest(st: Storage, step: int | None,
+            own: tuple[int, int] | None = None) -> tuple[int | None, bool]:
+    """The newest committed step of a tier (or ``step`` if committed there), else None; and
+    whether a damaged step was passed over. ``own``: see ``find_step`` (of an indexed step,
+    only this rank's index is read)."""
+    skipped: list = []
     try:
-        return find_step(st, step, own=own)[0]
-    except (CheckpointNotFoundError, CorruptCheckpointError):
-        return None
+        return find_step(st, step, skipped=skipped, own=own)[0], bool(skipped)
+    except CheckpointNotFoundError:
+        return None, False
+    except CorruptCheckpointError:
+        return None, True
     except StorageError as e:
         log.warning("fastckpt: could not list %s: %s", getattr(st, "root", st), e)
-        return None
+        return None, False
 
 
 def _drop_cache(path: str) -> None:
@@ -551,11 +557,11 @@ __all__ = ["Tier", "Upload", "TIERS_FILE", "remote_display"]
 def _tiers_seen(views: list[dict]) -> dict:
     """(rank 0, ``Group.decide``) From every rank's newest step per tier: the newest step of
     all, whether every rank has it in each tier, the first ranks whose view differs from
-    it, and whether every rank's view is the same (``alike``)."""
+    it, and whether any rank passed over a damaged step (``damaged``)."""
     found = [v[t] for v in views for t in ("local", "remote") if v[t] is not None]
     best = max(found) if found else None
     differ = [[r, v["local"], v["remote"]] for r, v in enumerate(views)
               if v["local"] != best or v["remote"] != best]
     return {"best": best, "local": all(v["local"] == best for v in views),
             "remote": all(v["remote"] == best for v in views), "differ": differ[:8],
-            "alike": len({(v["local"], v["remote"]) for v in views}) == 1}
+            "damaged": any(v.get("damaged") for v in views)}

@@ -192,7 +192,7 @@ class Writer:
                         self._release(buf, ready)
             if job.my_index is not None:  # the chunks are in the index: names and sizes only
                 # (and the chunks of tensors that are not DTensor shards: the coordinator lists
-                # the written-once ones in the manifest too, format 5)
+                # the written-once ones in the manifest too, its "inline")
                 sharded = {c.fqn for c in plan.my_chunks if c.dtensor}
                 result = {"ok": True, "index": job.my_index,
                           "files": [{k: f[k] for k in ("file", "piece", "size")}
@@ -353,8 +353,6 @@ class Writer:
                 for f in res["files"]:
                     files[f["file"]] = {"rank": r, "size": f["size"]}
             inline = _inline_chunks(tensors, results)
-            for fqn, chunks in inline.items():
-                tensors[fqn]["chunks"] = chunks
             results = []
         elif any(indexes):
             raise FastCkptError("ranks disagree on whether the save is indexed: rank(s) "
@@ -383,11 +381,13 @@ class Writer:
                                      torch_version=_torch_version())
         if indexes:
             body["indexes"] = indexes
+            if inline:  # (older readers ignore it and read every index)
+                body["inline"] = inline
         if self.lease is not None:  # nobody took the root over since the save began
             self.lease.check()
         # indexes: version 4; compressed chunks: 3 (an older reader would take their bytes as
         # raw)
-        version = (5 if inline else 4) if indexes else 3 if compressed else plan.format_version
+        version = 4 if indexes else 3 if compressed else plan.format_version
         data = fmt.encode_manifest(body, max(plan.format_version, version))
         st.publish_manifest(f"{d}/{fmt.MANIFEST}", data)
         job.files = set(files) | {i["file"] for i in indexes}
@@ -446,7 +446,7 @@ def _torch_version() -> str:
 
 
 def _inline_chunks(tensors: dict, results: list[dict]) -> dict[str, list]:
-    """(coordinator, an indexed save) The chunks the manifest lists itself (format 5): those of
+    """(coordinator, an indexed save) The chunks the manifest lists itself (``inline``): those of
     every tensor written once (not a DTensor, not per rank) whose chunks from the ranks'
     results cover it exactly; each as the index entry plus its rank."""
     out: dict[str, list] = {}

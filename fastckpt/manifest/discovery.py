@@ -76,9 +76,11 @@ def read_manifest(storage: Storage, step_dir: str, *, step: int | None = None,
 
 def is_partial(body: dict, own: tuple[int, int] | None) -> bool:
     """Whether ``read_manifest(..., own=own)`` gives a partial body for this manifest: it has
-    per-rank indexes and was saved at ``own``'s world size."""
-    return (own is not None and "indexes" in body and body["world_size"] == own[1]
-            and 0 <= own[0] < own[1])
+    per-rank indexes and inline chunks (written since 2026-12-05; without them a rank's own
+    index rarely covers what it loads: the replicated tensors are spread over the ranks) and
+    was saved at ``own``'s world size."""
+    return (own is not None and "indexes" in body and "inline" in body
+            and body["world_size"] == own[1] and 0 <= own[0] < own[1])
 
 
 def is_missing(e: BaseException) -> bool:

@@ -18,10 +18,11 @@ result exactly like a version-1 manifest (``schema.validate_body``); an index is
 if its bytes hash to the manifest's checksum, so a manifest pins its indexes: a damaged,
 swapped or stale index is an error naming its file and rank.
 
-**Inline chunks (format 5).** A tensor written once (not a DTensor shard, not per rank: a
-replicated value such as an optimizer's ``step``, each stored by the one rank the plan gave it
-to) also lists its chunks in the manifest, copied by the coordinator from the ranks' commit
-results; its writer's index still holds them (a full merge checks that the two agree). The
+**Inline chunks** (``body["inline"]``, a version-4 field older readers ignore: they read
+every index). A tensor written once (not a DTensor shard, not per rank: a replicated value
+such as an optimizer's ``step``, each stored by the one rank the plan gave it to) also lists
+its chunks in the manifest, copied by the coordinator from the ranks' commit results; its
+writer's index still holds them (a merge checks that the two agree). The
 count of such chunks depends on the model, not on the world size. A rank that loads at the
 saved world size then reads the manifest and **its own index only** (:func:`read_indexes` with
 ``own``): its shards of every DTensor are in its index, its per-rank values too, and the
@@ -87,13 +88,14 @@ def expand(body: dict, docs: list, *, file: str, step_dir: str,
            own: int | None = None) -> dict:
     """The manifest body with every rank's chunks (``docs[r]``: rank r's index bytes) merged
     into its tensor table, validated as a whole; CorruptCheckpointError names the index file
-    and rank that is wrong. A tensor with inline chunks (format 5) keeps them; the chunks its
-    writers' indexes list must be the same ones.
+    and rank that is wrong. A tensor with inline chunks (``body["inline"]``) takes them; the
+    chunks its writers' indexes list must be the same ones.
 
     ``own=r``: only rank r's index is given (``docs[r]``, the others None): the body holds the
     inline chunks and rank r's, validated chunk by chunk (``chunks="partial"``): a tensor's
     other boxes are absent."""
-    inline = {fqn for fqn, t in body["tensors"].items() if "chunks" in t}
+    given = body.get("inline") or {}
+    inline = set(given)
     tensors = {fqn: {**t, "chunks": []} for fqn, t in body["tensors"].items()}
     seen: dict[str, list] = {fqn: [] for fqn in inline}
     files = body["files"]
@@ -132,7 +134,7 @@ def expand(body: dict, docs: list, *, file: str, step_dir: str,
                 c["rank"] = r
             (seen[fqn] if fqn in inline else t["chunks"]).extend(cs)
     for fqn in inline:
-        listed = tensors[fqn]["chunks"] = body["tensors"][fqn]["chunks"]
+        listed = tensors[fqn]["chunks"] = [dict(c) for c in given[fqn]]
         if own is not None:  # the indexes read: rank `own`'s, which holds its own writes
             listed = [c for c in listed if c.get("rank") == own]
         try:

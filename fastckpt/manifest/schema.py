@@ -33,13 +33,13 @@ FORMAT_NAME = "fastckpt"
 #: tensor) and per-rank tensors (``"per_rank": true``, one copy per saving rank). 3 adds
 #: compressed chunks (a ``"codec"`` description, ``length`` the stored bytes). 4 moves the
 #: chunk lists into per-rank index files (``"indexes"``, see fastckpt/manifest/index.py); the
-#: manifest keeps the tensor table, the files and the skeleton. 5: a version-4 manifest whose
-#: written-once tensors (neither DTensor shards nor per rank: replicated values such as an
-#: optimizer's ``step``, plain tensors) also list their chunks in the manifest, the same
-#: entries their writers' indexes hold, so a rank loading at the saved world size reads the
-#: manifest and its own index only (fastckpt/manifest/index.py). A manifest is written with the
-#: lowest version that holds what it uses, readable by older fastckpt.
-FORMAT_VERSION = 5
+#: manifest keeps the tensor table, the files and the skeleton; since 2026-12-05 it may also
+#: hold ``"inline"``: the chunks of its written-once tensors (neither DTensor shards nor per
+#: rank), the same entries their writers' indexes hold, so a rank loading at the saved world
+#: size reads the manifest and its own index only (fastckpt/manifest/index.py); a reader that
+#: does not know the key reads every index, as before. A manifest is written with the lowest
+#: version that holds what it uses, readable by older fastckpt.
+FORMAT_VERSION = 4
 HASH_NAME = "xxh3_64"
 ALIGN = 4096
 SMALL_ALIGN = 64
@@ -231,11 +231,12 @@ def validate_body(body: dict, *, file: str, step: int | None = None,
     the files (so nothing larger than the files is allocated before they are checked).
 
     ``chunks=False``: a version-4 manifest before its per-rank indexes are merged in (its
-    tensors have no chunk lists yet, but for version 5's inline ones, checked in full here);
-    its ``indexes`` are checked (one per rank, safe names, sizes, checksums), the chunks later,
-    with the merged body. ``chunks="partial"``: one rank's part of such a body (the inline
-    chunks and its own index's): each chunk is checked and no two overlap, but a tensor need
-    not be covered (the load checks that the boxes it reads are, fastckpt/engine/load.py).
+    tensors have no chunk lists yet); its ``indexes`` are checked (one per rank, safe names,
+    sizes, checksums), the chunks later, with the merged body. Its ``inline`` chunks, if any,
+    are checked in full here (each tensor's cover it exactly; not a per-rank tensor).
+    ``chunks="partial"``: one rank's part of such a body (the inline chunks and its own
+    index's): each chunk is checked and no two overlap, but a tensor need not be covered (the
+    load checks that the boxes it reads are, fastckpt/engine/load.py).
     """
     def bad(msg: str, key: str | None = None) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"invalid manifest: {msg}", file=file, key=key)
@@ -272,6 +273,17 @@ def validate_body(body: dict, *, file: str, step: int | None = None,
         raise bad("'tensors' is not a mapping")
     for fqn, t in tensors.items():
         _validate_tensor(fqn, t, files, world, bad, with_chunks=chunks)
+    if "inline" in body:
+        inline = body["inline"]
+        if "indexes" not in body or not isinstance(inline, dict):
+            raise bad("'inline' is not a mapping of a manifest with per-rank indexes")
+        for fqn, cs in inline.items():
+            t = tensors.get(fqn)
+            if not isinstance(t, dict):
+                raise bad("lists inline chunks of a tensor it does not hold", key=str(fqn))
+            if t.get("per_rank"):
+                raise bad("lists inline chunks of a per-rank tensor", key=fqn)
+            _validate_tensor(fqn, {**t, "chunks": cs}, files, world, bad)
     if "tree" in body:
         trees = [body["tree"]]
     else:
@@ -309,14 +321,11 @@ def _validate_tensor(fqn: object, t: object, files: dict, world: int, bad,
     if (not isinstance(shape, list) or len(shape) > MAX_NDIM
             or not all(_is_int(n) and n >= 0 for n in shape)):
         raise bad(f"shape {shape!r} is not a list of non-negative ints", key=fqn)
+    if not with_chunks:
+        if "chunks" in t:
+            raise bad("a tensor of a manifest with per-rank indexes lists chunks", key=fqn)
+        return
     cover = with_chunks is True
-    if with_chunks is False:
-        if "chunks" not in t:
-            return
-        if t.get("per_rank"):  # inline chunks (version 5): written-once tensors only
-            raise bad("a per-rank tensor lists its chunks in a manifest with per-rank indexes",
-                      key=fqn)
-        cover = True
     chunks = t.get("chunks")
     if not isinstance(chunks, list):
         raise bad("'chunks' is not a list", key=fqn)

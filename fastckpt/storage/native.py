@@ -179,6 +179,9 @@ class NativeBackend:
         _ext.copy(dst_address, src_address, nbytes)
 
     def copy_many(self, copies, threads):
+        if not hasattr(_ext, "copy_many"):  # an extension built before it: the Python copy
+            from .pyio import PythonBackend
+            return PythonBackend.copy_many(self, copies, threads)  # type: ignore[arg-type]
         return _ext.copy_many(copies, threads)
 
     def write_segments(self, path, nbytes, segments, hash_ranges, *, direct=True, fsync=True):

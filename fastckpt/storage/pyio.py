@@ -506,11 +506,14 @@ class PythonBackend:
             for d, s, n in share:  # ctypes releases the GIL around each call
                 ctypes.memmove(d, s, n)
         workers = [threading.Thread(target=run, args=(sh,), daemon=True) for sh in shares[1:]]
-        for w in workers:
-            w.start()
-        run(shares[0])
-        for w in workers:
-            w.join()  # memmove of memory the caller holds: always ends
+        try:
+            for w in workers:
+                w.start()
+            run(shares[0])
+        finally:  # no copy may go on into buffers the caller hands out after an error
+            for w in workers:
+                if w.ident is not None:
+                    w.join()  # memmove of memory the caller holds: always ends
         return len(shares)
 
     def copy_hash(self, dst, dst_offset, src_address, nbytes, *, hash=True):
