@@ -1216,8 +1216,8 @@ PyDoc_STRVAR(copy_many_doc,
 "memcpy every (dst_address, src_address, nbytes) of the sequence copies, with the GIL\n"
 "released, the total bytes split into `threads` equal shares (a range may be cut between two\n"
 "shares), one share on the calling thread and one on each extra worker thread.  One thread\n"
-"of glibc's memcpy does not saturate a host's memory bandwidth: on the build VM two threads\n"
-"copied 1.5 GiB in 0.09 s where one took 0.16 s and torch's copy_ on two threads 0.15 s.\n"
+"does not saturate a host's memory bandwidth: on the build VM, 1.5 GiB of 64 MiB tensors took\n"
+"0.09 s on two threads, 0.16-0.17 s on one, and torch's copy_ on two threads 0.15 s.\n"
 "Returns the number of threads used.  The caller guarantees every range is valid and that\n"
 "no destination overlaps a source or another destination.");
 

@@ -419,7 +419,7 @@ class Engine:
                     job.pieces.put((piece, buf, hashes, ready))
                 else:
                     staged.append((piece, buf, hashes, ready))
-            if copies:
+            if copies:  # (None: a capped pool copied each piece as it went)
                 copy_all(self.storage.io, copies, copy_threads(self.options.copy_threads))
             for item in staged:
                 job.pieces.put(item)

@@ -365,13 +365,8 @@ class Writer:
             for f in res["files"]:
                 files[f["file"]] = {"rank": r, "size": f["size"]}
                 for c in f["chunks"]:
-                    entry = {"offsets": c["offsets"], "sizes": c["sizes"], "rank": r,
-                             "file": f["file"], "offset": c["offset"], "length": c["length"],
-                             "checksum": c["checksum"]}
-                    if c.get("codec") is not None:
-                        entry["codec"] = c["codec"]
-                        compressed = True
-                    tensors[c["fqn"]]["chunks"].append(entry)
+                    compressed = compressed or c.get("codec") is not None
+                    tensors[c["fqn"]]["chunks"].append(_chunk_entry(c, r, f["file"]))
         body = fmt.new_manifest_body(step=plan.step, world_size=plan.world_size,
                                      save_id=plan.save_id, files=files, tensors=tensors,
                                      trees=([trees[0]["tree"]] * len(trees)
@@ -445,6 +440,15 @@ def _torch_version() -> str:
     return str(torch.__version__)
 
 
+def _chunk_entry(c: dict, rank: int, file: str) -> dict:
+    """A manifest's chunk entry from a chunk of a rank's commit result."""
+    e = {"offsets": c["offsets"], "sizes": c["sizes"], "rank": rank, "file": file,
+         "offset": c["offset"], "length": c["length"], "checksum": c["checksum"]}
+    if c.get("codec") is not None:
+        e["codec"] = c["codec"]
+    return e
+
+
 def _inline_chunks(tensors: dict, results: list[dict]) -> dict[str, list]:
     """(coordinator, an indexed save) The chunks the manifest lists itself (``inline``): those of
     every tensor written once (not a DTensor, not per rank) whose chunks from the ranks'
@@ -455,10 +459,6 @@ def _inline_chunks(tensors: dict, results: list[dict]) -> dict[str, list]:
             m = tensors.get(c["fqn"])
             if m is None or m.get("dtensor") or m.get("per_rank"):
                 continue
-            e = {"offsets": c["offsets"], "sizes": c["sizes"], "rank": r, "file": c["file"],
-                 "offset": c["offset"], "length": c["length"], "checksum": c["checksum"]}
-            if c.get("codec") is not None:
-                e["codec"] = c["codec"]
-            out.setdefault(c["fqn"], []).append(e)
+            out.setdefault(c["fqn"], []).append(_chunk_entry(c, r, c["file"]))
     return {fqn: cs for fqn, cs in out.items()
             if sum(math.prod(c["sizes"]) for c in cs) == math.prod(tensors[fqn]["shape"])}

@@ -180,8 +180,8 @@ class NativeBackend:
 
     def copy_many(self, copies, threads):
         if not hasattr(_ext, "copy_many"):  # an extension built before it: the Python copy
-            from .pyio import PythonBackend
-            return PythonBackend.copy_many(self, copies, threads)  # type: ignore[arg-type]
+            from .pyio import copy_many
+            return copy_many(copies, threads)
         return _ext.copy_many(copies, threads)
 
     def write_segments(self, path, nbytes, segments, hash_ranges, *, direct=True, fsync=True):

@@ -118,6 +118,31 @@ def split_shares(copies: Sequence[tuple[int, int, int]], threads: int) -> list[l
     return shares
 
 
+def copy_many(copies: Sequence[tuple[int, int, int]], threads: int) -> int:
+    """``IOBackend.copy_many`` in Python: :func:`split_shares`, each share's ranges by
+    ``ctypes.memmove`` (which releases the GIL) on its own thread; the number used."""
+    for i, c in enumerate(copies):
+        if len(c) != 3:
+            raise ValueError(f"copy_many: copy {i} is not (dst, src, nbytes)")
+        if c[2] < 0 or (c[2] and (not c[0] or not c[1])):
+            raise ValueError(f"copy_many: copy {i} has a null address or a negative length")
+    shares = split_shares(copies, threads)
+
+    def run(share):
+        for d, s, n in share:
+            ctypes.memmove(d, s, n)
+    workers = [threading.Thread(target=run, args=(sh,), daemon=True) for sh in shares[1:]]
+    try:
+        for w in workers:
+            w.start()
+        run(shares[0])
+    finally:  # no copy may go on into buffers the caller hands out after an error
+        for w in workers:
+            if w.ident is not None:
+                w.join()  # memmove of memory the caller holds: always ends
+    return len(shares)
+
+
 class _PyBuffer(ctypes.Structure):
     _fields_ = [
         ("buf", ctypes.c_void_p),
@@ -495,26 +520,7 @@ class PythonBackend:
             ctypes.memmove(dst_address, src_address, nbytes)
 
     def copy_many(self, copies, threads):
-        for i, c in enumerate(copies):
-            if len(c) != 3:
-                raise ValueError(f"copy_many: copy {i} is not (dst, src, nbytes)")
-            if c[2] < 0 or (c[2] and (not c[0] or not c[1])):
-                raise ValueError(f"copy_many: copy {i} has a null address or a negative length")
-        shares = split_shares(copies, threads)
-
-        def run(share):
-            for d, s, n in share:  # ctypes releases the GIL around each call
-                ctypes.memmove(d, s, n)
-        workers = [threading.Thread(target=run, args=(sh,), daemon=True) for sh in shares[1:]]
-        try:
-            for w in workers:
-                w.start()
-            run(shares[0])
-        finally:  # no copy may go on into buffers the caller hands out after an error
-            for w in workers:
-                if w.ident is not None:
-                    w.join()  # memmove of memory the caller holds: always ends
-        return len(shares)
+        return copy_many(copies, threads)
 
     def copy_hash(self, dst, dst_offset, src_address, nbytes, *, hash=True):
         mv = _byte_view(dst, writable=True)
