@@ -48,9 +48,10 @@ def remove_step(storage: Storage, path: str) -> None:
 
 def plan_removal(infos: list[StepInfo], keep_last: int | None, *, protect: set[int] = frozenset(),
                  now: float | None = None, force_partial: bool = False,
-                 committed_only: bool = False) -> list[StepInfo]:
+                 committed_only: bool = False,
+                 partial_below: int | None = None) -> list[StepInfo]:
     """The steps to remove: old committed ones beyond ``keep_last`` and abandoned partial ones
-    (none with ``committed_only``).
+    (none with ``committed_only``; only those below ``partial_below`` when it is given).
 
     Never the newest committed step, never a step in ``protect``, never a partial step with a
     recent in-flight marker unless ``force_partial``.
@@ -62,7 +63,8 @@ def plan_removal(infos: list[StepInfo], keep_last: int | None, *, protect: set[i
     if keep_last is not None:
         doomed += [i for i in committed[:-keep_last] if i.step != newest]
     for i in infos:
-        if i.committed or committed_only:
+        if i.committed or committed_only or (partial_below is not None
+                                             and i.step >= partial_below):
             continue
         recent = i.inflight_since is not None and now - i.inflight_since < INFLIGHT_GRACE_S
         if force_partial or not recent:
@@ -72,18 +74,22 @@ def plan_removal(infos: list[StepInfo], keep_last: int | None, *, protect: set[i
 
 def apply_retention(storage: Storage, keep_last: int | None, *,
                     protect: set[int] = frozenset(), force_partial: bool = False,
-                    committed_only: bool = False) -> list[int]:
+                    committed_only: bool = False, partial_below: int | None = None) -> list[int]:
     """Remove what ``plan_removal`` selects; return the removed steps.
 
     A Checkpointer calls this after each commit with ``force_partial=True``: one job writes a
-    root at a time, so every partial step it is not writing itself is abandoned. The remote
-    tier's uploader calls it on the local root with ``committed_only=True`` (a save may be
-    writing a partial step there at the same time).
+    root at a time, and no rank starts its next save before the coordinator's housekeeping
+    of this one ended (the next plan exchange waits for it), so every partial step it is not
+    writing itself is abandoned. The remote tier's coordinator calls it on the remote root with
+    ``partial_below=`` the step it just committed: the other ranks' uploaders do not wait for
+    its housekeeping (an emergency upload starts at once), so a newer partial step there may be
+    an upload in flight. It calls it on the local root with ``committed_only=True`` (a save may
+    be writing a partial step there at the same time).
     """
     removed = []
     infos = scan(storage)
     for info in plan_removal(infos, keep_last, protect=protect, force_partial=force_partial,
-                             committed_only=committed_only):
+                             committed_only=committed_only, partial_below=partial_below):
         remove_step(storage, info.path)
         removed.append(info.step)
     if force_partial:  # committed steps keep no markers of a save that died after its commit

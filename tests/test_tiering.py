@@ -219,6 +219,58 @@ def test_a_local_shard_that_changed_is_not_uploaded(tmp_path, s3, monkeypatch):
         ".fck")]
 
 
+def test_remote_retention_keeps_a_newer_step_other_ranks_are_uploading(tmp_path, s3,
+                                                                      monkeypatch):
+    """The coordinator's housekeeping after a remote commit runs while the other ranks'
+    uploaders have moved on (a rank frozen by a preemption starts its emergency upload at
+    once): a partial step newer than the committed one is an upload in flight, never removed.
+    An older partial step (an upload abandoned earlier) still is. CI caught this with indexes:
+    rank 1's files of the emergency step were removed, and the step committed without them."""
+    real = tiering.apply_retention
+    newer = s3.path("keep", "step-0000000006", "r00001-0b7a5056c12f-000.fck")
+    older = s3.path("keep", "step-0000000002", "r00001-5b9d9443bc8e-000.fck")
+
+    def racing(st, *a, **kw):  # rank 1's emergency upload, written as the coordinator scans
+        if not st.is_local:
+            s3.fs.pipe(newer, b"x" * 100)
+            s3.fs.pipe(older, b"y" * 100)
+        return real(st, *a, **kw)
+    monkeypatch.setattr(tiering, "apply_retention", racing)
+    with fastckpt.Checkpointer(str(tmp_path / "keep"), remote=s3.url("keep"),
+                               storage_options=_opts(s3), keep_last=1) as ck:
+        ck.save(_state(4, 0.25), step=4, block=True).wait_remote(timeout=60)
+    keys = s3.keys("keep")
+    assert any(k.endswith("step-0000000006/r00001-0b7a5056c12f-000.fck") for k in keys), keys
+    assert not any("step-0000000002" in k for k in keys), keys  # abandoned: removed
+    assert _remote_steps(s3, "keep") == [4]
+
+
+def test_a_remote_file_gone_before_the_commit_fails_the_upload(tmp_path, s3, monkeypatch):
+    """The coordinator lists the remote step directory before it puts the manifest: a file the
+    manifest names that is not there (removed by anything since its rank uploaded it) fails
+    the upload, naming the file, instead of committing a step that does not load."""
+    real = tiering.Tier._publish
+    gone = []
+
+    def remove_one(self, up, st, d):
+        name = sorted(f["file"] for f in up.files if f["file"].endswith(".fck"))[0]
+        s3.fs.rm(f"{d}/{name}")
+        gone.append(name)
+        return real(self, up, st, d)
+    monkeypatch.setattr(tiering.Tier, "_publish", remove_one)
+    local = str(tmp_path / "gone")
+    with fastckpt.Checkpointer(local, remote=s3.url("gone"), storage_options=_opts(s3)) as ck:
+        h = ck.save(_state(1, 0.25), step=1, block=True)
+        assert h.committed  # locally
+        with pytest.raises(fastckpt.FastCkptError) as ei:
+            h.wait_remote(timeout=60)
+    msg = str(ei.value) + str(ei.value.__cause__)
+    assert gone and gone[0] in msg and "not published" in msg, msg
+    assert _remote_steps(s3, "gone") == []
+    dest = _dest(0.25)
+    assert fastckpt.load(dest, local) == 1 and torch.equal(dest["w"], _state(1, 0.25)["w"])
+
+
 def test_remote_needs_a_local_root(s3):
     with pytest.raises(ValueError, match="needs a local root"):
         fastckpt.Checkpointer(s3.url("a"), remote=s3.url("b"), storage_options=_opts(s3))

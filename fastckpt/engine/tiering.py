@@ -20,12 +20,15 @@ Call sequence of one upload (``Tier``; "uploader": one background thread per Che
    file that changed on the local disk is not committed remotely.
 4. (all ranks, uploader) ``commit.commit`` under ``<save_id>.remote`` with the upload's
    deadline (``commit_timeout_s``; an emergency upload: the grace deadline): (coordinator)
+   one listing checks every file the manifest names is in the remote step directory, then
    the same manifest bytes on the remote root, by a conditional PUT; every rank learns the
    outcome. A failed upload removes this rank's remote files (bounded); nothing is visible
    remotely without the manifest.
 5. (coordinator) the remote ``latest`` hint, leftovers of earlier attempts, retention with
-   ``remote_keep_last`` (an emergency upload removes nothing, as an emergency save), then
-   local retention of committed steps that were kept only for their upload.
+   ``remote_keep_last`` (an emergency upload removes nothing, as an emergency save; partial
+   steps only below this one: the other ranks do not wait for this, and a newer partial step
+   may be their emergency upload in flight), then local retention of committed steps that
+   were kept only for their upload.
 6. The handle's remote completion is set: committed, or failed (``wait_remote()`` raises).
 7. (all ranks, uploader) the chain: (coordinator) names the newest deferred step under
    ``<save_id>.chain`` (or none); every rank uploads that step next (1-6), its uploader staying
@@ -87,6 +90,7 @@ class Upload:
     files: list  # this rank's: [{"file", "size", "chunks": [{"offset", "length", "checksum"}]}]
     manifest: bytes | None  # the coordinator's
     handle: Any
+    named: frozenset = frozenset()  # (coordinator) the shard and index files the manifest names
     deadline: float | None = None  # monotonic; an emergency upload's
     cancel: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
@@ -213,7 +217,7 @@ class Tier:
                 {"offset": 0, "length": i["size"], "checksum": i["checksum"]}]})
         return Upload(step=job.plan.step, save_id=job.plan.save_id, local_dir=job.step_dir,
                       files=files, manifest=job.manifest, handle=job.handle,
-                      deadline=deadline)
+                      named=frozenset(job.files), deadline=deadline)
 
     def submit(self, job: Any, deadline: float | None = None) -> Upload:
         """(writer thread, or the trigger) Queue the upload of a committed local save."""
@@ -416,6 +420,7 @@ class Tier:
             self._lease.check()
         if up.manifest is None:
             raise FastCkptError(f"step {up.step}: the coordinator has no manifest to upload")
+        _check_present(st, d, up)
         st.publish_manifest(f"{d}/{fmt.MANIFEST}", up.manifest)
         return {"step": up.step}
 
@@ -425,16 +430,18 @@ class Tier:
             st.join(fmt.LATEST), json.dumps({"step": up.step}).encode(), durable=False))]
         if up.deadline is None:
             def leftovers() -> None:
-                keep = {f["file"] for f in up.files} | {fmt.MANIFEST}
-                body = json.loads(up.manifest or b"{}").get("body", {})
-                keep |= set(body.get("files", {}))
-                keep |= {i.get("file") for i in body.get("indexes", [])}
+                keep = {f["file"] for f in up.files} | {fmt.MANIFEST} | _named_files(up)
                 for n in st.listdir(d):
                     if n not in keep:
                         st.remove(f"{d}/{n}")
             parts.append(("removing leftovers of earlier uploads", leftovers))
+            # partial steps newer than this one are kept: the other ranks do not wait for
+            # this housekeeping, and a rank frozen by a preemption meanwhile is already
+            # uploading the emergency step (CI caught the removal of its files, the step then
+            # committed without them)
             parts.append(("remote retention", lambda: apply_retention(
-                st, self.keep_last, protect={up.step}, force_partial=True)))
+                st, self.keep_last, protect={up.step}, force_partial=True,
+                partial_below=up.step)))
             # the local steps kept for their upload (retention of the saves since protected
             # them); committed ones only: a save may be writing a partial step right now
             parts.append(("local retention", lambda: apply_retention(
@@ -535,6 +542,32 @@ def _newest(st: Storage, step: int | None,
     except StorageError as e:
         log.warning("fastckpt: could not list %s: %s", getattr(st, "root", st), e)
         return None, False
+
+
+def _named_files(up: Upload) -> set[str]:
+    """(coordinator) The shard and index files the upload's manifest names: the set the local
+    commit built (parsing a large manifest again costs seconds), else from its bytes."""
+    if up.named:
+        return set(up.named)
+    body = json.loads(up.manifest or b"{}").get("body", {})
+    return set(body.get("files", {})) | {i.get("file") for i in body.get("indexes", [])}
+
+
+def _check_present(st: Storage, d: str, up: Upload) -> None:
+    """(coordinator, before the remote manifest) Every file the manifest names is in the
+    remote step directory: one listing (a LIST request per 1000 names). Each rank checked
+    its own uploads' checksums, but a file removed since (by anything: an operator, another
+    writer, a retention bug) would commit a step that does not load, on the tier a restart
+    may have alone. A listing that lags the writes (a store without read-after-write
+    listing) fails the upload; the local commit stands."""
+    names = set(st.listdir(d))
+    missing = sorted(_named_files(up) - names)
+    if missing:
+        raise CorruptCheckpointError(
+            f"step {up.step}: {len(missing)} file(s) the manifest names are not in the remote "
+            f"step directory after the upload ({', '.join(missing[:4])}"
+            f"{', ...' if len(missing) > 4 else ''}): the remote manifest is not published",
+            file=d)
 
 
 def _drop_cache(path: str) -> None:
