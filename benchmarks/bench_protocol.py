@@ -23,9 +23,12 @@ What runs (``current`` = fastckpt's own code, driven with minimal fake engine ob
   and one server-side wait on ``preempt/<k>/wake/<rank>``); store commands per second in a
   window after arming (and what arming cost), the server's CPU.
 * ``consensus_current``: the same; one rank gets ``request_stop()`` (its signal thread wakes on
-  the pipe, as on a signal, and publishes the stop and the N wake keys); every rank's real
-  ``_agree`` (wake-up tree, ``consensus.collect``) runs; latency = the last rank's ``agreed``
-  minus the request. Past the deadline: how many ranks knew T.
+  the pipe, as on a signal, claims the wake-up and sets the N wake keys); every rank's real
+  ``_agree`` (``consensus.collect``) runs; latency = the last rank's ``agreed`` minus the
+  request. Past the deadline: how many ranks knew T.
+* ``consensus_all_current``: the same with every rank's ``request_stop()`` at once, as an
+  orchestrator signals every rank (srun's SIGTERM to every task, a pod's containers); latency
+  from the first request.
 * ``commit_current``: the real ``fastckpt.engine.commit.commit`` on every rank (rank 0
   coordinates, a no-op manifest callback); the ranks finish "writing" spread over
   ``--spread`` s; latency beyond the slowest writer until every rank has the verdict and until
@@ -94,8 +97,8 @@ COMMANDS = {"set": 1, "get": 2, "check": 1, "add": 1, "delete_key": 1, "wait": 1
             "multi_get": 2, "multi_set": 1, "append": 1, "compare_set": 1, "clone": 2,
             "wait_timeout": 1}
 TARGETS = {"consensus_s": 0.5, "idle_cmds_per_s": 2000, "commit_s": 1.0}  # at 4096 ranks
-ALL_PHASES = ("idle_current", "consensus_current", "commit_current", "gather_current",
-              "decide_current", "assign_current")
+ALL_PHASES = ("idle_current", "consensus_current", "consensus_all_current", "commit_current",
+              "gather_current", "decide_current", "assign_current")
 #: the all-to-all plan exchange (every rank reads N values): its client side grows as N^2 here
 HEAVY_CURRENT = ("gather_current",)
 QUICK_PHASES = ALL_PHASES
@@ -544,7 +547,11 @@ class Worker:
         self.sleep_until(spec["t_sig"])
         armed = self.armed(counters)
         arm = [c.snapshot() for c in counters]
-        if sig in self.ranks:
+        if sig == "all":  # the orchestrator signals every rank at once (srun, a pod)
+            t_sig = time.time()
+            for p in pre:
+                p.request_stop()
+        elif sig in self.ranks:
             t_sig = time.time()
             pre[self.ranks.index(sig)].request_stop()
         self.progress(i, lambda: sum(p.agreed.is_set() for p in pre), counters, spec["end"])
@@ -695,6 +702,7 @@ class Worker:
                 continue
             fn = {"idle_current": self.phase_idle_current,
                   "consensus_current": self.phase_consensus_current,
+                  "consensus_all_current": self.phase_consensus_current,
                   "commit_current": self.phase_commit_current,
                   "gather_current": self.phase_gather_current,
                   "plan_realistic": self.phase_gather_current,
@@ -883,7 +891,7 @@ class Job:
 
 def _lat(res: list[dict], world: int) -> dict:
     """Consensus phases: latency from the request to each rank's agreement on T."""
-    t_sig = next((r["t_sig"] for r in res if r.get("t_sig") is not None), None)
+    t_sig = min((r["t_sig"] for r in res if r.get("t_sig") is not None), default=None)
     agreed = [t for r in res for t in r["agreed"]]
     steps = {s for r in res for s in r["steps"]}
     passed = [s for r in res for s in r["passed"]]
@@ -1008,7 +1016,7 @@ def phase_spec(kind: str, world: int, a: argparse.Namespace, tag: str) -> dict:
         spec["grace_s"] = 600.0
     elif kind.startswith("consensus"):
         spec["t_sig"] = t0 + arm
-        spec["signaller"] = world - 1
+        spec["signaller"] = "all" if kind == "consensus_all_current" else world - 1
         # consensus.collect gives up at the grace deadline less preempt_margin_s (1 s)
         spec["grace_s"] = cap + 1.0
         spec["end"] = spec["t_sig"] + cap + 3
@@ -1040,7 +1048,8 @@ def run_world(job: "Job", world: int, a: argparse.Namespace, env: dict,
         if a.quick and world >= 1024 and kind in HEAVY_CURRENT:
             print(f"  {kind:18s} skipped (--quick, N >= 1024)", flush=True)
             continue
-        reps = a.reps if kind in ("consensus_current", "commit_current") else 1
+        reps = a.reps if kind in ("consensus_current", "consensus_all_current",
+                                  "commit_current") else 1
         rows = []
         for rep in range(reps):
             spec = phase_spec(kind, world, a, f"{world}.{rep}")
@@ -1348,10 +1357,12 @@ def critical_rounds(kind: str, world: int) -> float:
     batches of 1024 keys; a set seen by a waiter = one round trip: the set's way there and the
     wait's answer back; get and multi_get = WAIT + the read: 2):
 
-    consensus: wake set + the watcher's wait answering (1), its ``get stop`` (2), ``append`` +
-      ``add`` (1), the last reporter's ``get reports`` (2), ``set reports/all`` + the waits
-      answering (1), ``multi_get`` (2): 9 (the signaller's N wake sets and the tree's are sent
-      without replies: store CPU, counted in the measured server CPU);
+    consensus: the signaller's ``add signalled`` (1), its wake ``multi_set`` + the watcher's
+      wait answering (1), its ``multi_get`` of the wake value (2), ``append`` + ``add`` (1),
+      the last reporter's ``get reports`` (2), ``set reports/all`` + the waits answering (1),
+      ``multi_get`` (2): 10 (the signaller's wake ``multi_set`` of all N keys, one per 1024,
+      is sent without a reply: store CPU, counted in the measured server CPU); every rank
+      signalled at once (``consensus_all_current``): the same path;
     commit (until the coordinator is done): last result set + the coordinator's wait (1),
       multi_get 2b, outcome set + the waits (1), multi_get (2), delete (1), append + add (1),
       acked set + the coordinator's wait (1), 4 deletes (4): 11 + 2b;
@@ -1362,7 +1373,7 @@ def critical_rounds(kind: str, world: int) -> float:
     assign_current: as decide_current, + rank 0's multi_set of the parts before the answer (b),
       each rank's get of its part (2) and its delete (1): 8 + 3b."""
     b = -(-world // MULTI_GET_BATCH)
-    return {"consensus_current": 9, "commit_current": 11 + 2 * b, "gather_current": 2 + 2 * b,
+    return {"consensus_current": 10, "consensus_all_current": 10, "commit_current": 11 + 2 * b, "gather_current": 2 + 2 * b,
             "decide_current": 5 + 2 * b, "assign_current": 8 + 3 * b}[kind]
 
 
@@ -1395,8 +1406,8 @@ def cluster_model(doc: dict) -> dict:
         if idle:
             m["idle_cmds_per_s"] = C.median(idle)
             m["idle_server_core"] = round(C.median(idle) * c_add, 4)
-        for kind in ("consensus_current", "commit_current", "gather_current", "decide_current",
-                     "assign_current"):
+        for kind in ("consensus_current", "consensus_all_current", "commit_current",
+                     "gather_current", "decide_current", "assign_current"):
             rounds = critical_rounds(kind, w)
             cpu = [r["server_cpu_protocol_s"] for r in _finished(run.get(kind, []))
                    if r.get("server_cpu_protocol_s") is not None]
@@ -1589,6 +1600,8 @@ def print_table(doc: dict) -> None:
             "cmds/rank cons": med("consensus_current", "commands_per_rank"),
             "commit": med("commit_current", "commands_per_rank"),
             "store CPU cons": med("consensus_current", "server_cpu_protocol_s"),
+            "all signalled s": med("consensus_all_current", "last_s"),
+            "store CPU all": med("consensus_all_current", "server_cpu_protocol_s"),
             "commit ": med("commit_current", "server_cpu_protocol_s"),
             "plan reused s": med("decide_current", "all_have_plan_s"),
             "plan first s": med("assign_current", "all_have_plan_s"),

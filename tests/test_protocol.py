@@ -30,30 +30,37 @@ from tests.distributed import free_port, run
 
 
 class Counting:
-    """A store proxy logging (time, command) for every call; its clones log to the same list."""
+    """A store proxy logging (time, command) for every call, and the keys of every ``set`` and
+    ``multi_set`` to ``writes``; its clones log to the same lists."""
 
-    def __init__(self, store, log: list) -> None:
+    def __init__(self, store, log: list, writes: list | None = None) -> None:
         self._s, self.log = store, log
+        self.writes = writes if writes is not None else []
 
     def __getattr__(self, name):
         fn = getattr(self._s, name)
 
         def call(*args):
             self.log.append((time.monotonic(), name))
+            if name == "set":
+                self.writes.append(args[0])
+            elif name == "multi_set":
+                self.writes.extend(args[0])
             out = fn(*args)
-            return Counting(out, self.log) if name == "clone" else out
+            return Counting(out, self.log, self.writes) if name == "clone" else out
         return call
 
 
-def _counted_exchanges() -> list:
-    """Wrap the store of every Exchange created from now on in this process; return the log."""
+def _counted_exchanges(writes: list | None = None) -> list:
+    """Wrap the store of every Exchange created from now on in this process; return the log
+    (and the keys written, to ``writes``)."""
     log: list = []
     orig = _dist.Exchange.__init__
 
     def init(self, *a, **k):
         orig(self, *a, **k)
         if self._store is not None:
-            self._store = Counting(self._store, log)
+            self._store = Counting(self._store, log, writes)
     _dist.Exchange.__init__ = init
     return log
 
@@ -114,6 +121,51 @@ def test_idle_trigger_sends_nothing_and_a_stop_costs_o1_per_rank(tmp_path, world
     assert per_rank[-1] <= 45 + world and per_rank[0] <= 60 + 5 * world, per_rank
     print(f"\nworld {world}: store commands per rank from the stop request to the exit: "
           f"{per_rank}; consensus {res[0]['consensus']['agreed_after_s']} s after the request")
+
+
+def _all_signalled(rank, world, root):
+    writes: list = []
+    log = _counted_exchanges(writes)
+    ck = fastckpt.Checkpointer(root, grace_s=30, preempt_exit=False)
+    st = {"w": torch.full((64,), float(rank))}
+    step = 0
+    for _ in range(5):
+        assert ck.save(st, step=step, on_preempt=True) is None
+        step += 1
+    tdist.barrier()
+    t_stop = time.monotonic()
+    ck.preemption.request_stop()  # every rank, as srun / a pod / torchrun's agent signal them
+    h = None
+    while h is None:
+        h = ck.save(st, step=step, on_preempt=True)
+        step += 1
+        time.sleep(0.005)
+        assert time.monotonic() - t_stop < 30
+    p = ck.preemption
+    out = {"stop_step": p.stop_step, "code": p.exit_code, "committed": h.committed,
+           "wake_writes": [k for k in writes if "/wake/" in k],
+           "cmds_after_stop": len([c for t, c in log if t_stop <= t and c != "clone"])}
+    ck.close()
+    return out
+
+
+def test_every_rank_signalled_at_once_wakes_each_rank_once(tmp_path):
+    """An orchestrator signals every rank at once: the first rank to count itself in wakes all
+    N, each later one only its own watcher (2N - 1 wake writes in all, where every signalled
+    rank waking every rank was N^2 and a 4096-rank job agreed on nothing in its deadline:
+    docs/scale.md). Every rank stops at the same step and the emergency save commits."""
+    world = 4
+    res = run(_all_signalled, world, str(tmp_path / "ck"))
+    assert len({o["stop_step"] for o in res}) == 1
+    assert all(o["code"] == 143 and o["committed"] for o in res)
+    counts = sorted(len(o["wake_writes"]) for o in res)
+    assert counts == [1] * (world - 1) + [world], [o["wake_writes"] for o in res]
+    for r, o in enumerate(res):
+        if len(o["wake_writes"]) == 1:  # a later one: its own key, none of the others'
+            assert o["wake_writes"][0].endswith(f"/wake/{r}"), o["wake_writes"]
+    # the same fixed cost per rank as one signal (above), without an N term on any rank but 0
+    per_rank = [o["cmds_after_stop"] for o in res]
+    assert all(n <= 47 for n in per_rank[1:]) and per_rank[0] <= 62 + 5 * world, per_rank
 
 
 # --------------------------------------------------------------- threads on one real store

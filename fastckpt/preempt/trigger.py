@@ -12,11 +12,12 @@ Call sequence (who makes each call):
    at once even while the training thread is blocked in a C call or a collective) and the
    watcher thread.
 2. (all ranks, two threads) the *signal thread* waits on the trap's wakeup fd (local, no store
-   traffic). On a local signal it publishes ``sig/<rank>`` and sets ``wake/<r>`` for every rank
-   r to the signal's time and expected SIGKILL (the tree below copies that value on). The
-   *store watcher* of each rank sits in one server-side wait for its own ``wake/<rank>`` on a dedicated store connection:
-   an idle job sends the store nothing. A woken watcher wakes ranks 2r+1 and 2r+2 (a binary
-   tree: every rank is woken in log2 N hops even if the signalled rank dies half-way), marks
+   traffic). On a local signal it adds 1 to ``signalled``; the rank that brings it to 1 sets
+   ``wake/<r>`` for every rank r to the signal's time and expected SIGKILL (one ``multi_set``
+   per 1024 ranks), a later one only its own ``wake/<rank>``: an orchestrator signals every
+   rank at once, and N ranks waking N ranks each was N^2 sets. The *store watcher* of each
+   rank sits in one server-side wait for its own ``wake/<rank>`` on a dedicated store
+   connection: an idle job sends the store nothing. A woken watcher marks
    the rank *pending* (its next ``on_preempt`` call takes the slow path), and reports the last
    step its training thread passed: one ``append`` to ``reports`` and one ``add`` to a counter.
    The rank that brings the counter to N reads the reports once and publishes ``T = max(passed)
@@ -255,33 +256,34 @@ class Preemption:
             self._arm_watchdog()
 
     def _publish_local(self) -> None:
-        """(signal thread) ``sig/<rank>``, then wake every rank (sets, no replies) with the
-        signal's time and expected kill."""
+        """(signal thread) Count this rank in ``signalled``; the first one wakes every rank
+        (``wake/<r>``: one ``multi_set`` per 1024 ranks) with the signal's time and expected
+        kill, any later one its own watcher."""
         signum, t = self._local[0]
         info = json.dumps({"signal": signame(signum) if signum > 0 else "request", "t": t,
                            "kill_at": self.kill_wall, "rank": self.rank}).encode()
-        self.ex.set(f"{self.prefix}/sig/{self.rank}", info)
+        p = self.prefix
+        # the first signalled rank wakes every rank; the others only their own watcher. An
+        # orchestrator signals every rank at once (srun, a pod's containers, a node's ranks):
+        # N signallers waking N ranks each was N^2 sets (16.8 M at 4096 ranks)
+        first = self.ex.add(f"{p}/signalled", 1) == 1
         self._published = True
-        for r in [self.rank] + [r for r in range(self.world) if r != self.rank]:
-            self.ex.set(f"{self.prefix}/wake/{r}", info)
+        if first:
+            order = [self.rank] + [r for r in range(self.world) if r != self.rank]
+            self.ex.set_many([f"{p}/wake/{r}" for r in order], [info] * len(order))
+        else:
+            self.ex.set(f"{p}/wake/{self.rank}", info)
 
     def _agree(self, wake: bytes) -> None:
         """(store watcher) a stop exists somewhere (``wake``: the first signal's time and kill,
-        as its rank published them): pass the wake-up on, report our progress, wait for T."""
+        as its rank published them): report our progress, wait for T."""
         self.pending = True
         passed = self.last_seen  # after pending=True: the training thread passes nothing later
         t_learn = time.time()
-        p = self.prefix
         try:
-            try:
-                for c in (2 * self.rank + 1, 2 * self.rank + 2):
-                    if c < self.world:
-                        self.ex.set(f"{p}/wake/{c}", wake)
-                if self.deadline is None:
-                    first = json.loads(wake)
-                    self._set_deadline(first["t"], first.get("kill_at"))
-            except StoreUnreachable as e:
-                raise _PeerLost(e.ranks, f"stop consensus: {e}") from e
+            if self.deadline is None:
+                first = json.loads(wake)
+                self._set_deadline(first["t"], first.get("kill_at"))
             mine = {"passed": passed, "first_signal": self._local[0][1] if self._local else None,
                     "kill_at": self.kill_wall if self._local else None, "cancel": self.cancel}
             agreed = self._collect("reports", mine, self._dl(-self.opts.preempt_margin_s),
