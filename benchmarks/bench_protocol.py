@@ -1282,8 +1282,26 @@ def manifest_cost(n: int, gathered: list, tree: Any) -> dict:
     own = n // 2
     body = fmt.decode_manifest(data4, file="manifest.json")
     part = idx.expand(body, [d if r == own else None for r, (d, _) in enumerate(docs)],
-                      file="manifest.json", step_dir="step-1", own=own)
+                      file="manifest.json", step_dir="step-1", own=frozenset({own}))
     t3 = time.perf_counter()
+    # a restart on half the nodes (M = N/2, FSDP2's even split on dim 0): a middle rank's
+    # boxes, the saving ranks whose indexes hold them (index.writers_of), those merged
+    m, mr = max(1, n // 2), max(1, n // 2) // 2
+    boxes = {}
+    for fqn, tt in body["tensors"].items():
+        shape = tt["shape"]
+        if fqn in body.get("inline", {}) or not shape:
+            continue
+        rows = -(-shape[0] // m)
+        lo = min(shape[0], mr * rows)
+        boxes[fqn] = (tuple([lo] + [0] * (len(shape) - 1)),
+                      tuple([min(shape[0], lo + rows) - lo] + list(shape[1:])), 0)
+    t4 = time.perf_counter()
+    sel = idx.writers_of(body, boxes)
+    half = idx.expand(fmt.decode_manifest(data4, file="manifest.json"),
+                      [d if r in sel else None for r, (d, _) in enumerate(docs)],
+                      file="manifest.json", step_dir="step-1", own=sel)
+    t5 = time.perf_counter()
     inline_chunks = sum(len(cs) for cs in body.get("inline", {}).values())
     out["indexed"] = {"index_bytes_per_rank": round(sum(len(d) for d, _ in docs) / n),
                       "rank_encode_index_s": round(encode_s, 4),
@@ -1297,7 +1315,11 @@ def manifest_cost(n: int, gathered: list, tree: Any) -> dict:
                       "inline_chunks": inline_chunks,
                       "reader_own_s": round(t3 - t2, 3),
                       "reader_own_chunks": sum(len(t["chunks"])
-                                               for t in part["tensors"].values())}
+                                               for t in part["tensors"].values()),
+                      "reader_half_world": {"world": m, "rank": mr, "indexes_read": len(sel),
+                                            "s": round(t5 - t4, 3),
+                                            "chunks": sum(len(tt["chunks"])
+                                                          for tt in half["tensors"].values())}}
     return out
 
 

@@ -469,6 +469,64 @@ def test_another_sharding_at_the_same_world_size_reads_every_index(tmp_path):
         assert_same(want, got)
 
 
+def _load_reading_guess(rank, world, root, guess):
+    """``_load_reading`` with the index guess replaced (``guess``: the saving ranks every rank
+    is told to read first)."""
+    if guess is not None:
+        from fastckpt.engine import load as L
+        L.writers_of = lambda body, boxes: frozenset(guess)
+    return _load_reading(rank, world, root)
+
+
+@pytest.mark.parametrize("saved,world,want_read", [
+    # the 33-row weights and biases: 9 rows per saving rank at 4 (0-8, 9-17, 18-26, 27-32),
+    # 17 per loading rank at 2; the 7-row ones: 2 per saving rank, 4 per loading rank
+    (4, 2, [{0, 1}, {1, 2, 3}]),
+    # saved at 2 (17 and 4 rows per rank), loaded at 4 (9 and 2 rows per rank)
+    (2, 4, [{0}, {0, 1}, {1}, {1}]),
+])
+def test_a_restart_at_another_world_size_reads_the_indexes_its_rows_are_in(tmp_path, saved,
+                                                                           world, want_read):
+    """A restart on fewer or more nodes: each rank reads the indexes of the saving ranks whose
+    rows of the FSDP2 shards it loads (an even split, as FSDP2 cuts; ~N/M + 1 of N indexes),
+    not every index. Bit-exact against the save."""
+    root = str(tmp_path / "elastic")
+    want = run(_fsdp_save, saved, root, (1,))[0][0]
+    save_id = _doc(root, 1)["body"]["save_id"]
+    for r, (step, got, read) in enumerate(run(_load_reading, world, root)):
+        assert step == 1
+        assert sorted(read) == sorted(idx.index_name(k, save_id) for k in want_read[r]), (r, read)
+        assert_same(want, got)
+
+
+def test_a_wrong_index_guess_falls_back_to_every_index(tmp_path, caplog):
+    """The guess is checked: told to read saving rank 0's index alone, a loading rank whose rows
+    are elsewhere finds its boxes not covered, reads every index and loads bit-exact."""
+    root = str(tmp_path / "guess")
+    want = run(_fsdp_save, 4, root, (1,))[0][0]
+    save_id = _doc(root, 1)["body"]["save_id"]
+    every = sorted(idx.index_name(k, save_id) for k in range(4))
+    for r, (step, got, read) in enumerate(run(_load_reading_guess, 2, root, [0])):
+        assert step == 1
+        assert read[0] == idx.index_name(0, save_id)  # the guess, then every index
+        assert sorted(set(read)) == every, (r, read)
+        assert_same(want, got)
+
+
+def test_writers_of_places_each_box_in_the_even_split():
+    body = {"world_size": 4, "inline": {"s": []},
+            "tensors": {"w": {"shape": [33, 10]}, "b": {"shape": [7]}, "s": {"shape": []},
+                        "z": {"shape": [0, 3]}}}
+    # rows 9-26 of w lie in saving ranks 1 and 2 (9 rows each); the last row of b in rank 3
+    assert idx.writers_of(body, {"w": ((9, 0), (18, 10), 0), "b": ((6,), (1,), 0)}) == {1, 2, 3}
+    assert idx.writers_of(body, {"s": ((), (), None)}) == frozenset()  # inline: no index
+    assert idx.writers_of(body, {"z": ((0, 0), (0, 3), 0)}) == frozenset()  # an empty box
+    assert idx.writers_of(body, {"w": ((0, 0), (33, 10), None)}) is None  # whole, not inline
+    assert idx.writers_of(body, {"w": ((0,), (33,), 0)}) is None  # not w's dimensions
+    assert idx.writers_of(body, {"w": ((0, 0), (33, 10), 5)}) is None  # no such dim
+    assert idx.writers_of(body, {"missing": ((0,), (1,), 0)}) == frozenset()
+
+
 def test_a_damaged_index_of_another_rank_still_skips_the_step_on_every_rank(tmp_path, caplog):
     """Step 2's index of rank 1 is damaged: rank 0, reading only its own, would take step 2
     where rank 1 cannot; the load's agreement sees it and every rank reads every index again,

@@ -20,6 +20,7 @@ from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, FastCkptE
                       StepRemovedError)
 from ..manifest import schema as fmt
 from ..manifest.discovery import find_step, is_partial
+from ..manifest.index import writers_of
 from ..storage import Storage
 from . import dist as _dist
 from .dtypes import tensor_meta
@@ -104,14 +105,65 @@ class _ReadEveryIndex(Exception):
     """(every rank alike) The own-index load did not agree: load again reading every index."""
 
 
+class IndexSelector:
+    """(read_manifest's ``own``) Which saving ranks' chunk indexes this rank reads first, from
+    the manifest's body without chunks: at the saved world size its own (its shards of every
+    DTensor and its per-rank values are there, the replicated values inline); at another
+    world size (a restart on fewer or more nodes) the ranks whose even split of each DTensor
+    it meets (``index.writers_of``: ~N/M + 1 indexes of N), or every index when a box cannot
+    be placed (a whole tensor that is not inline, a DTensor sharded on two dims, a layout
+    that fails). Cached per save: ``find_step`` may ask again."""
+
+    def __init__(self, state: dict, rank: int, world: int, strict: bool) -> None:
+        self.state, self.rank, self.world, self.strict = state, rank, world, strict
+        self._seen: dict[str, frozenset | None] = {}
+
+    def __call__(self, body: dict) -> frozenset | None:
+        if body["world_size"] == self.world:
+            return frozenset({self.rank})
+        key = body["save_id"]
+        if key not in self._seen:
+            try:
+                boxes = self._boxes(body)
+            except Exception as e:  # noqa: BLE001 - the full read names what is wrong
+                log.debug("fastckpt: rank %d: no index selection (%s)", self.rank, e)
+                boxes = None
+            self._seen[key] = None if boxes is None else writers_of(body, boxes)
+        return self._seen[key]
+
+    def _boxes(self, body: dict) -> dict | None:
+        """fqn -> (offsets, sizes, the dim the destination is sharded on, or None) of every
+        tensor this rank loads; None where a DTensor's layout is one we do not know."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        tree = fmt.tree_for_rank(body, self.rank, self.world, file=fmt.MANIFEST)
+        meta = tensor_meta(body, file=fmt.MANIFEST)
+        targets = plan_load(self.state, tree, meta, strict=self.strict, alloc=_dry_alloc).targets
+        boxes: dict[str, tuple] = {}
+        for fqn, t in targets.items():
+            if not isinstance(t, torch.Tensor):
+                continue
+            if is_dtensor(t):
+                sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh,
+                                                                       t.placements)
+                dims = {p.dim for p in t.placements if p.is_shard()}
+                if tuple(sizes) != tuple(t.to_local().shape) or len(dims) > 1:
+                    return None
+                boxes[fqn] = (tuple(offsets), tuple(sizes), dims.pop() if dims else None)
+            else:
+                boxes[fqn] = ((0,) * t.dim(), tuple(t.shape), None)
+        return boxes
+
+
 def _prepare(storage: Storage, state: dict | None, step: int | None, *, verify: bool,
              strict: bool, rank: int, world: int, own: bool) -> tuple:
     """(this rank) Find the step, check its files, plan the destinations: (step, reader,
-    plan, state). ``own``: of an indexed step saved at this world size, read the manifest and
-    this rank's own index only; if the chunks they hold do not cover every box this rank
-    loads (another sharding), read the step again with every index."""
-    found_step, d, body = find_step(storage, step, own=(rank, world) if own else None)
-    partial = own and is_partial(body, (rank, world))
+    plan, state). ``own``: of an indexed step, read the manifest and the indexes
+    ``IndexSelector`` names (at the saved world size this rank's own); if the chunks they
+    hold do not cover every box this rank loads (another sharding), read the step again with
+    every index."""
+    sel = IndexSelector(state, rank, world, strict) if own and state is not None else None
+    found_step, d, body = find_step(storage, step, own=sel)
+    partial = sel is not None and is_partial(body, sel)
     mpath = f"{d}/{fmt.MANIFEST}"
     tree = fmt.tree_for_rank(body, rank, world, file=mpath)
     meta = tensor_meta(body, file=mpath)
@@ -122,8 +174,9 @@ def _prepare(storage: Storage, state: dict | None, step: int | None, *, verify: 
     # its peers, before the agreement that follows)
     if partial and state is not None and not _covered(
             reader, plan_load(state, tree, meta, strict=strict, alloc=_dry_alloc).targets):
-        log.info("fastckpt: step %d: this rank's own chunk index does not hold every box it "
-                 "loads; reading every rank's index", found_step)
+        log.info("fastckpt: step %d: the chunk indexes rank %d read first (of saving ranks %s) "
+                 "do not hold every box it loads; reading every rank's index", found_step,
+                 rank, sorted(sel(body) or ()))
         return _prepare(storage, state, found_step, verify=verify, strict=strict, rank=rank,
                         world=world, own=False)
     reader.check_files()  # the files really hold what the manifest says, before allocating

@@ -67,7 +67,7 @@ from ..manifest.discovery import find_step
 from ..retention import apply_retention
 from ..storage import Storage
 from .commit import commit
-from .load import load_into
+from .load import IndexSelector, load_into
 
 log = logging.getLogger("fastckpt")
 #: how long a rank waits at a time for the coordinator's choice of the next upload (it
@@ -472,10 +472,12 @@ class Tier:
         """(all ranks) Load the newest committed step of either tier (or ``step``), from the
         local root when every rank has it there; see the module docstring."""
         group = self.engine.group
-        # first each rank validates only its own chunk index of an indexed step (see
-        # load_into); if any rank passed over a damaged step, every rank looks again reading
-        # every index, so that a damaged index of one rank makes all of them pass over it alike
-        own = (group.rank, group.world_size) if state is not None else None
+        # first each rank validates only the chunk indexes it loads from (its own at the saved
+        # world size, see load_into); if any rank passed over a damaged step, every rank looks
+        # again reading every index, so that a damaged index of one rank makes all of them
+        # pass over it alike
+        own = (IndexSelector(state, group.rank, group.world_size, strict)
+               if state is not None else None)
         while True:
             (local, d1), (remote, d2) = (_newest(self.engine.storage, step, own),
                                          _newest(self.storage, step, own))
@@ -527,11 +529,10 @@ def _skipped(job: Any) -> None:
     job.handle._remote_done.set()
 
 
-def _newest(st: Storage, step: int | None,
-            own: tuple[int, int] | None = None) -> tuple[int | None, bool]:
+def _newest(st: Storage, step: int | None, own: Any = None) -> tuple[int | None, bool]:
     """The newest committed step of a tier (or ``step`` if committed there), else None; and
     whether a damaged step was passed over. ``own``: see ``find_step`` (of an indexed step,
-    only this rank's index is read)."""
+    only the indexes the load's ``IndexSelector`` names are read)."""
     skipped: list = []
     try:
         return find_step(st, step, skipped=skipped, own=own)[0], bool(skipped)

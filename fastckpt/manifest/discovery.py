@@ -12,6 +12,7 @@ import json
 import logging
 import re
 import time
+from typing import Callable, Optional, Union
 
 from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, NotRegularFileError,
                       StorageError)
@@ -39,7 +40,7 @@ def list_steps(storage: Storage) -> list[tuple[int, str]]:
 
 
 def read_manifest(storage: Storage, step_dir: str, *, step: int | None = None,
-                  chunks: bool = True, own: tuple[int, int] | None = None) -> dict | None:
+                  chunks: bool = True, own: "Own" = None) -> dict | None:
     """The validated manifest body of a step directory; None if it has no manifest (or it was
     removed between the stat and the read). CorruptCheckpointError when it is damaged, crafted,
     too large, or not a regular file; StorageError when the storage cannot be read.
@@ -49,7 +50,9 @@ def read_manifest(storage: Storage, step_dir: str, *, step: int | None = None,
     tensors): for callers that need only the step, its save id, files or metadata.
     ``own=(rank, world_size)``: when the step was saved with indexes by ``world_size`` ranks,
     read ``rank``'s index only: a partial body (:func:`fastckpt.manifest.index.expand`), which
-    :func:`is_partial` tells apart."""
+    :func:`is_partial` tells apart. ``own`` may also be a function of the manifest's body (the
+    load's, which knows the boxes its rank reads) naming the saving ranks whose indexes to
+    read, or None for every index (:func:`select_indexes`)."""
     path = f"{step_dir}/{fmt.MANIFEST}"
     try:
         n = storage.size(path)
@@ -69,18 +72,36 @@ def read_manifest(storage: Storage, step_dir: str, *, step: int | None = None,
     body = fmt.decode_manifest(data, file=path, step=step)
     if chunks and "indexes" in body:
         from .index import read_indexes
-        mine = own[0] if own is not None and is_partial(body, own) else None
-        return read_indexes(storage, step_dir, body, file=path, own=mine)
+        return read_indexes(storage, step_dir, body, file=path, own=select_indexes(body, own))
     return body
 
 
-def is_partial(body: dict, own: tuple[int, int] | None) -> bool:
-    """Whether ``read_manifest(..., own=own)`` gives a partial body for this manifest: it has
-    per-rank indexes and inline chunks (written since 2026-12-05; without them a rank's own
-    index rarely covers what it loads: the replicated tensors are spread over the ranks) and
-    was saved at ``own``'s world size."""
-    return (own is not None and "indexes" in body and "inline" in body
-            and body["world_size"] == own[1] and 0 <= own[0] < own[1])
+#: what ``read_manifest``'s ``own`` may be: (rank, world size), or a function of the body
+Own = Union[tuple, Callable[[dict], Optional[frozenset]], None]
+
+
+def select_indexes(body: dict, own: Own) -> frozenset | None:
+    """The saving ranks whose indexes ``read_manifest(..., own=own)`` reads, None for every
+    index. Only a manifest with per-rank indexes and inline chunks (written since 2026-12-05;
+    without them a rank's own index rarely covers what it loads: the replicated tensors are
+    spread over the ranks) is read in part: ``(rank, world)``, this rank's own index when the
+    step was saved at that world size; a function, the ranks it names (it sees the body
+    without chunks)."""
+    if own is None or "indexes" not in body or "inline" not in body:
+        return None
+    if callable(own):
+        sel = own(body)
+        if sel is None:
+            return None
+        n = len(body["indexes"])
+        return frozenset(r for r in sel if 0 <= r < n)
+    rank, world = own
+    return frozenset({rank}) if body["world_size"] == world and 0 <= rank < world else None
+
+
+def is_partial(body: dict, own: Own) -> bool:
+    """Whether ``read_manifest(..., own=own)`` gives a partial body for this manifest."""
+    return select_indexes(body, own) is not None
 
 
 def is_missing(e: BaseException) -> bool:
@@ -91,7 +112,7 @@ def is_missing(e: BaseException) -> bool:
 
 def find_step(storage: Storage, step: int | None = None, *,
               skipped: list | None = None,
-              own: tuple[int, int] | None = None) -> tuple[int, str, dict]:
+              own: Own = None) -> tuple[int, str, dict]:
     """The requested step, or the newest step with a valid manifest.
 
     ``step=None``: a step whose manifest is damaged is skipped with a warning naming it (and

@@ -27,7 +27,9 @@ count of such chunks depends on the model, not on the world size. A rank that lo
 saved world size then reads the manifest and **its own index only** (:func:`read_indexes` with
 ``own``): its shards of every DTensor are in its index, its per-rank values too, and the
 replicated values are inline. The load checks that the chunks it has cover every box it reads
-and falls back to every index when they do not (another world size, another sharding).
+and falls back to every index when they do not (another sharding). At another world size
+(:func:`writers_of`) it reads the indexes of the saving ranks whose rows of an even split its
+boxes meet, under the same check.
 """
 
 from __future__ import annotations
@@ -79,28 +81,55 @@ def encode_index(rank: int, save_id: str, files: list[dict]) -> tuple[bytes, dic
     return data, {"size": len(data), "checksum": fmt.hexdigest(xxhash.xxh3_64_intdigest(data))}
 
 
+def writers_of(body: dict, boxes: dict) -> frozenset | None:
+    """The saving ranks whose indexes should hold the chunks of ``boxes`` (fqn -> (offsets,
+    sizes, dim)): the box of a restarted rank, in a tensor the step holds as an even split on
+    ``dim`` over its saved world size N, rank by rank (a DTensor ``Shard(dim)`` on a 1-D mesh,
+    FSDP2's layout: ceil(D / N) rows per rank, as ``torch.chunk`` cuts), lies in the ranks
+    whose rows it meets: about N / M + 1 indexes at world size M, not N. A tensor with inline
+    chunks needs no index; a box with ``dim`` None (a whole tensor that is not inline) returns
+    None: every index. The guess is only a guess: the caller checks that the chunks read cover
+    every box (and reads every index when they do not: another mesh, another sharding)."""
+    n = body["world_size"]
+    inline = body.get("inline") or {}
+    out: set[int] = set()
+    for fqn, (offsets, sizes, dim) in boxes.items():
+        t = body["tensors"].get(fqn)
+        if fqn in inline or t is None or any(s == 0 for s in sizes):
+            continue  # (a tensor the step does not hold: the planner's error, later)
+        shape = t["shape"]
+        if dim is None or not 0 <= dim < len(shape) or len(offsets) != len(shape):
+            return None
+        rows = -(-shape[dim] // n)
+        if rows == 0:
+            continue
+        lo, hi = offsets[dim], offsets[dim] + sizes[dim]
+        out.update(range(max(0, lo // rows), min(n, (hi - 1) // rows + 1)))
+    return frozenset(out)
+
+
 def _key(c: dict) -> tuple:
     return (tuple(c["offsets"]), tuple(c["sizes"]), c["file"], c["offset"], c["length"],
             c["checksum"], c["rank"], json.dumps(c.get("codec"), sort_keys=True))
 
 
 def expand(body: dict, docs: list, *, file: str, step_dir: str,
-           own: int | None = None) -> dict:
+           own: frozenset | None = None) -> dict:
     """The manifest body with every rank's chunks (``docs[r]``: rank r's index bytes) merged
     into its tensor table, validated as a whole; CorruptCheckpointError names the index file
     and rank that is wrong. A tensor with inline chunks (``body["inline"]``) takes them; the
     chunks its writers' indexes list must be the same ones.
 
-    ``own=r``: only rank r's index is given (``docs[r]``, the others None): the body holds the
-    inline chunks and rank r's, validated chunk by chunk (``chunks="partial"``): a tensor's
-    other boxes are absent."""
+    ``own={r, ...}``: only those ranks' indexes are given (``docs[r]``, the others None): the
+    body holds the inline chunks and theirs, validated chunk by chunk (``chunks="partial"``):
+    a tensor's other boxes are absent."""
     given = body.get("inline") or {}
     inline = set(given)
     tensors = {fqn: {**t, "chunks": []} for fqn, t in body["tensors"].items()}
     seen: dict[str, list] = {fqn: [] for fqn in inline}
     files = body["files"]
     for r, (entry, data) in enumerate(zip(body["indexes"], docs)):
-        if data is None and own is not None and r != own:
+        if data is None and own is not None and r not in own:
             continue
         path = f"{step_dir}/{entry['file']}"
 
@@ -135,8 +164,8 @@ def expand(body: dict, docs: list, *, file: str, step_dir: str,
             (seen[fqn] if fqn in inline else t["chunks"]).extend(cs)
     for fqn in inline:
         listed = tensors[fqn]["chunks"] = [dict(c) for c in given[fqn]]
-        if own is not None:  # the indexes read: rank `own`'s, which holds its own writes
-            listed = [c for c in listed if c.get("rank") == own]
+        if own is not None:  # the indexes read hold their own ranks' writes only
+            listed = [c for c in listed if c.get("rank") in own]
         try:
             agree = sorted(map(_key, seen[fqn])) == sorted(map(_key, listed))
         except (KeyError, TypeError):
@@ -152,10 +181,10 @@ def expand(body: dict, docs: list, *, file: str, step_dir: str,
 
 
 def read_indexes(storage: "Storage", step_dir: str, body: dict, *, file: str,
-                 own: int | None = None) -> dict | None:
+                 own: frozenset | None = None) -> dict | None:
     """Read and merge a version-4 manifest's indexes (:func:`expand`); None when the step was
     removed meanwhile (its manifest is gone: retention or gc removes the manifest first).
-    ``own=r``: rank r's index only (a partial body, see :func:`expand`)."""
+    ``own={r, ...}``: those ranks' indexes only (a partial body, see :func:`expand`)."""
     from ..errors import NotRegularFileError, StorageError
     from .discovery import is_missing
 
@@ -180,15 +209,16 @@ def read_indexes(storage: "Storage", step_dir: str, body: dict, *, file: str,
                 return None
             raise
     entries = body["indexes"]
-    if own is not None:
-        docs: list = [None] * len(entries)
-        docs[own] = one((own, entries[own]))
-        lost = [own] if docs[own] is None else []
-    else:
-        with ThreadPoolExecutor(max(1, min(READ_THREADS, len(entries))),
+    wanted = list(enumerate(entries)) if own is None else [(r, entries[r]) for r in sorted(own)]
+    docs: list = [None] * len(entries)
+    if len(wanted) == 1:
+        docs[wanted[0][0]] = one(wanted[0])
+    elif wanted:
+        with ThreadPoolExecutor(max(1, min(READ_THREADS, len(wanted))),
                                 thread_name_prefix="fastckpt-index") as ex:
-            docs = list(ex.map(one, enumerate(entries)))
-        lost = [r for r, d in enumerate(docs) if d is None]
+            for (r, _), d in zip(wanted, ex.map(one, wanted)):
+                docs[r] = d
+    lost = [r for r, _ in wanted if docs[r] is None]
     if lost:
         if storage.size(file) is None:
             return None  # the step was removed while its indexes were read
