@@ -165,6 +165,8 @@ def test_every_rank_signalled_at_once_wakes_each_rank_once(tmp_path):
             assert o["wake_writes"][0].endswith(f"/wake/{r}"), o["wake_writes"]
     # the same fixed cost per rank as one signal (above), without an N term on any rank but 0
     per_rank = [o["cmds_after_stop"] for o in res]
+    print(f"\nevery rank signalled, world {world}: store commands per rank from the stop "
+          f"request to the exit: {per_rank}")
     assert all(n <= 47 for n in per_rank[1:]) and per_rank[0] <= 62 + 5 * world, per_rank
 
 
