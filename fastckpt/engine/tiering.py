@@ -436,9 +436,8 @@ class Tier:
                         st.remove(f"{d}/{n}")
             parts.append(("removing leftovers of earlier uploads", leftovers))
             # partial steps newer than this one are kept: the other ranks do not wait for
-            # this housekeeping, and a rank frozen by a preemption meanwhile is already
-            # uploading the emergency step (CI caught the removal of its files, the step then
-            # committed without them)
+            # this housekeeping, and a rank frozen by a preemption may be uploading the
+            # emergency step already (CI caught its files removed, the step committed without)
             parts.append(("remote retention", lambda: apply_retention(
                 st, self.keep_last, protect={up.step}, force_partial=True,
                 partial_below=up.step)))
@@ -556,11 +555,9 @@ def _named_files(up: Upload) -> set[str]:
 
 def _check_present(st: Storage, d: str, up: Upload) -> None:
     """(coordinator, before the remote manifest) Every file the manifest names is in the
-    remote step directory: one listing (a LIST request per 1000 names). Each rank checked
-    its own uploads' checksums, but a file removed since (by anything: an operator, another
-    writer, a retention bug) would commit a step that does not load, on the tier a restart
-    may have alone. A listing that lags the writes (a store without read-after-write
-    listing) fails the upload; the local commit stands."""
+    remote step directory (one listing: a LIST per 1000 names): a file removed since its
+    upload would commit a step that does not load, on the tier a restart may have alone. A
+    listing that lags the writes fails the upload; the local commit stands."""
     names = set(st.listdir(d))
     missing = sorted(_named_files(up) - names)
     if missing:
