@@ -45,6 +45,10 @@ def signame(num: int) -> str:
         return str(num)
 
 
+#: signals an orchestrator sends as a warning before the stop, whose default action kills
+_WARNINGS = frozenset(getattr(signal, n) for n in ("SIGUSR1", "SIGUSR2") if hasattr(signal, n))
+
+
 def _after_fork_child() -> None:
     """In a forked child (DataLoader worker): give the signals back, never act on them."""
     trap = _active
@@ -100,15 +104,21 @@ class SignalTrap:
         """(main thread) Give the signals back to their earlier handlers; ``ignore``: ignore
         them instead, for a process on its way out after its stop (a late SIGTERM during the
         interpreter's and torch's teardown, seconds long, would turn the stop's exit code into
-        death by that signal, which schedulers read differently). Idempotent."""
+        death by that signal, which schedulers read differently). A warning signal (SIGUSR1,
+        SIGUSR2) whose earlier handler was the default (terminate) is ignored from then on:
+        the orchestrator sends it only because the job asked for a warning (``--signal``), and
+        a job that ends its work near its time limit must not die of the warning in its
+        teardown (CI caught a finished Slurm job marked FAILED, 138). SIGTERM gets its default
+        back. Idempotent."""
         global _active
         if not self.forked and threading.current_thread() is threading.main_thread():
             try:
                 if self._rfd >= 0:
                     signal.set_wakeup_fd(self._old_wakeup)
                 for s, old in self.old_handlers.items():
-                    signal.signal(s, signal.SIG_IGN if ignore else
-                                  old if old is not None else signal.SIG_DFL)
+                    default = old is None or old == signal.SIG_DFL
+                    signal.signal(s, signal.SIG_IGN if ignore or (default and s in _WARNINGS)
+                                  else signal.SIG_DFL if default else old)
             except Exception as e:  # noqa: BLE001
                 log.warning("fastckpt: could not restore signal handlers: %s", e)
         self.old_handlers = {}
