@@ -76,16 +76,7 @@ def _idle_then_stop(rank, world, root):
         step += 1
         time.sleep(0.01)
     idle = [c for t, c in log if t0 + 0.5 <= t]  # after the watchers' first wait
-    tdist.barrier()
-    t_stop = time.monotonic()
-    if rank == world - 1:
-        ck.preemption.request_stop()
-    h = None
-    while h is None:
-        h = ck.save(st, step=step, on_preempt=True)
-        step += 1
-        time.sleep(0.005)
-        assert time.monotonic() - t_stop < 30
+    h, t_stop = _stop_and_save(ck, st, step, rank == world - 1)
     p = ck.preemption
     agreed = [c for t, c in log if t_stop <= t and c not in ("clone",)]
     out = {"idle": idle, "stop_step": p.stop_step, "code": p.exit_code, "committed": h.committed}
@@ -94,6 +85,22 @@ def _idle_then_stop(rank, world, root):
     out["cmds_after_stop"] = len(agreed)
     ck.close()
     return out
+
+
+def _stop_and_save(ck, st, step, request: bool):
+    """(every rank, after its steps) At the same moment as the others: ask for a stop here if
+    ``request``, then train on until the emergency save's handle; (it, the moment)."""
+    tdist.barrier()
+    t_stop = time.monotonic()
+    if request:
+        ck.preemption.request_stop()
+    h = None
+    while h is None:
+        h = ck.save(st, step=step, on_preempt=True)
+        step += 1
+        time.sleep(0.005)
+        assert time.monotonic() - t_stop < 30
+    return h, t_stop
 
 
 def _events(root, rank):
@@ -132,15 +139,8 @@ def _all_signalled(rank, world, root):
     for _ in range(5):
         assert ck.save(st, step=step, on_preempt=True) is None
         step += 1
-    tdist.barrier()
-    t_stop = time.monotonic()
-    ck.preemption.request_stop()  # every rank, as srun / a pod / torchrun's agent signal them
-    h = None
-    while h is None:
-        h = ck.save(st, step=step, on_preempt=True)
-        step += 1
-        time.sleep(0.005)
-        assert time.monotonic() - t_stop < 30
+    # every rank, as srun / a pod / torchrun's agent signal them
+    h, t_stop = _stop_and_save(ck, st, step, True)
     p = ck.preemption
     out = {"stop_step": p.stop_step, "code": p.exit_code, "committed": h.committed,
            "wake_writes": [k for k in writes if "/wake/" in k],

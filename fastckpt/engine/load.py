@@ -44,12 +44,10 @@ def alloc_in_phase(body: dict, fqn: str, meta: dict, like: torch.Tensor | None =
     offsets: tuple = (0,) * len(shape)
     if like is not None:
         from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-        local_shape, offsets = compute_local_shape_and_global_offset(
-            like.shape, like.device_mesh, like.placements)
-        if tuple(local_shape) != tuple(like.to_local().shape):  # a layout we do not know
+        box = _box(like)
+        if box is None:  # a layout we do not know
             return torch.empty_like(like)
-        local = _alloc_local(body, fqn, tuple(local_shape), tuple(offsets), dtype)
+        local = _alloc_local(body, fqn, box[1], box[0], dtype)
         return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
                                   shape=like.shape, stride=like.stride())
     return _alloc_local(body, fqn, shape, offsets, dtype)
@@ -134,7 +132,6 @@ class IndexSelector:
     def _boxes(self, body: dict) -> dict | None:
         """fqn -> (offsets, sizes, the dim the destination is sharded on, or None) of every
         tensor this rank loads; None where a DTensor's layout is one we do not know."""
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
         tree = fmt.tree_for_rank(body, self.rank, self.world, file=fmt.MANIFEST)
         meta = tensor_meta(body, file=fmt.MANIFEST)
         targets = plan_load(self.state, tree, meta, strict=self.strict, alloc=_dry_alloc).targets
@@ -142,16 +139,24 @@ class IndexSelector:
         for fqn, t in targets.items():
             if not isinstance(t, torch.Tensor):
                 continue
-            if is_dtensor(t):
-                sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh,
-                                                                       t.placements)
-                dims = {p.dim for p in t.placements if p.is_shard()}
-                if tuple(sizes) != tuple(t.to_local().shape) or len(dims) > 1:
-                    return None
-                boxes[fqn] = (tuple(offsets), tuple(sizes), dims.pop() if dims else None)
-            else:
-                boxes[fqn] = ((0,) * t.dim(), tuple(t.shape), None)
+            box = _box(t)
+            dims = {p.dim for p in t.placements if p.is_shard()} if is_dtensor(t) else set()
+            if box is None or len(dims) > 1:
+                return None
+            boxes[fqn] = (*box, dims.pop() if dims else None)
         return boxes
+
+
+def _box(t: torch.Tensor) -> tuple[tuple, tuple] | None:
+    """(offsets, sizes) of the box of the global tensor this rank loads into ``t``: its local
+    shard of a DTensor, a whole regular tensor; None for a DTensor layout we do not know."""
+    if not is_dtensor(t):
+        return (0,) * t.dim(), tuple(t.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if tuple(sizes) != tuple(t.to_local().shape):
+        return None
+    return tuple(offsets), tuple(sizes)
 
 
 def _prepare(storage: Storage, state: dict | None, step: int | None, *, verify: bool,
@@ -208,14 +213,10 @@ def _covered(reader: FastCkptReader, targets: dict) -> bool:
         saved = md.get(fqn)
         if not isinstance(saved, TensorStorageMetadata):
             continue  # not a stored tensor: the planner's own error (or a partial load)
-        if is_dtensor(t):
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-            sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh,
-                                                                   t.placements)
-            if tuple(sizes) != tuple(t.to_local().shape):
-                return False  # a layout we do not know: read everything
-        else:
-            sizes, offsets = tuple(t.shape), (0,) * t.dim()
+        box = _box(t)
+        if box is None:
+            return False  # a layout we do not know: read everything
+        offsets, sizes = box
         want = math.prod(sizes)
         have = 0
         for c in saved.chunks:
