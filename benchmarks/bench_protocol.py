@@ -74,6 +74,7 @@ import gc
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -286,12 +287,15 @@ def skeleton_tree() -> Any:
     return flat.skeleton
 
 
-def plan_entry(rank: int, world: int, tree: Any) -> dict:
+def plan_entry(rank: int, world: int, tree: Any, solo: bool = False) -> dict:
     """Rank ``rank``'s value in the plan exchange (``Engine._plan``) for the 70B model + AdamW
     under FSDP2 over ``world`` ranks: every parameter and both moments a dim-0 ``Shard``
     DTensor (fp32: FSDP2 keeps fp32 sharded parameters, bf16 only for compute), ``step`` a
-    regular 0-dim tensor (fingerprinted), in ``ChunkSpec`` field order."""
+    regular 0-dim tensor (fingerprinted), in ``ChunkSpec`` field order; with ``solo`` each
+    non-empty shard marked as ``local_chunks`` marks it (one mesh of the whole world), without
+    it the specs as they were before 2026-12-05 (every chunk sent to rank 0)."""
     specs = []
+    mesh = ["3f81cb0f4a815fbb"] if solo else []
     for fqn, shape in model_tensors():
         d0 = shape[0]
         chunk = -(-d0 // world)
@@ -300,14 +304,34 @@ def plan_entry(rank: int, world: int, tree: Any) -> dict:
         offs = [lo] + [0] * (len(shape) - 1)
         sizes = [rows] + list(shape[1:])
         nbytes = 4 * rows * (shape[1] if len(shape) > 1 else 1)
-        specs.append([fqn, "float32", list(shape), offs, sizes, nbytes, True, None])
+        box = (mesh if nbytes else [None] * len(mesh))
+        specs.append([fqn, "float32", list(shape), offs, sizes, nbytes, True, None, *box])
         ofqn = "optim.state." + fqn[len("model."):]
-        specs.append([ofqn + ".step", "float32", [], [], [], 4, False, "5d1c0a5e3f1b2c4d"])
+        specs.append([ofqn + ".step", "float32", [], [], [], 4, False, "5d1c0a5e3f1b2c4d",
+                      *[None] * len(mesh)])
         for k in ("exp_avg", "exp_avg_sq"):
             specs.append([f"{ofqn}.{k}", "float32", list(shape), offs, sizes, nbytes, True,
-                          None])
+                          None, *box])
     return {"save_id": "0123456789ab", "specs": specs, "tree": tree, "error": None,
             "aliases": 0}
+
+
+def first_values(world: int, ranks: Any, tree: Any) -> list[dict]:
+    """Each of ``ranks``' value in a first save's full plan exchange (``Engine._plan``), as the
+    real ``PlanExchange`` makes it: rank 0's verdict carries the hashes of its table and list,
+    and a rank whose own are the same sends None for them (under FSDP2: every rank)."""
+    from fastckpt.engine.plan import PlanExchange
+    zero = PlanExchange()
+    v0 = zero.value("0123456789ab", plan_entry(0, world, tree, True)["specs"], error=None,
+                    aliases=0)
+    verdict = json.loads(json.dumps(zero.decide([v0])))
+    out = []
+    for r in ranks:
+        ex = PlanExchange()
+        ex.apply(verdict, 1)
+        out.append(ex.full_value("0123456789ab", plan_entry(r, world, tree, True)["specs"],
+                                 rank=r, error=None, aliases=0))
+    return out
 
 
 def result_entry(rank: int, world: int) -> dict:
@@ -670,9 +694,9 @@ class Worker:
         from fastckpt.engine.plan import PlanExchange
         groups, counters = self.groups(spec)
         tree = skeleton_tree() if spec.get("payload") is None else None
-        values = [PlanExchange().full_value(
-            "0123456789ab", [] if tree is None else plan_entry(r, self.world, tree)["specs"],
-            error=None, aliases=0) for r in self.ranks]
+        values = (first_values(self.world, self.ranks, tree) if tree is not None else
+                  [PlanExchange().full_value("0123456789ab", [], rank=r, error=None, aliases=0)
+                   for r in self.ranks])
         plans = [PlanExchange() for _ in self.ranks]
 
         def body(j: int, r: int) -> None:
@@ -1174,8 +1198,11 @@ def reuse_cost(n: int, gathered: list) -> dict:
     from fastckpt.engine.plan import PlanExchange
     specs = [g["specs"] for g in gathered]
     ex = PlanExchange()
-    firsts = [json.dumps(ex.full_value("0123456789ab", specs[r], error=None, aliases=0)).encode()
-              for r in range(n)]
+    firsts = [json.dumps(v).encode() for v in first_values(n, range(n), None)]
+    ex.value("0123456789ab", plan_entry(0, n, None, True)["specs"], error=None, aliases=0)
+    ex.decide([json.loads(firsts[0])])  # (rank 0's own value: its table and list kept)
+    ex.full_value("0123456789ab", plan_entry(0, n, None, True)["specs"], rank=0, error=None,
+                  aliases=0)
     t = time.perf_counter()
     got = [json.loads(x) for x in firsts]
     common, parts = ex.assign(got, 1)
@@ -1185,6 +1212,8 @@ def reuse_cost(n: int, gathered: list) -> dict:
     ex.take((common, parts[0]), 0, 1)
     assert ex.how == "exchanged"
     other = PlanExchange()
+    other.full_value("0123456789ab", plan_entry(n - 1, n, None, True)["specs"], rank=n - 1,
+                     error=None, aliases=0)  # (its own chunks, which take merges in)
     t_take = time.perf_counter()
     other.take((json.loads(json.dumps(common)), json.loads(sent[-1])), n - 1, 1)
     t_take = time.perf_counter() - t_take
@@ -1209,6 +1238,58 @@ def reuse_cost(n: int, gathered: list) -> dict:
             "verdict_bytes": len(json.dumps({"ok": verdict})),
             "reused_rank0_loads_and_decide_s": round(t3 - t2, 4),
             "own_value_and_apply_s": round(own_s, 4)}
+
+
+def assign_cost(worlds: list[int], old_max: int = 256, reps: int = 3) -> dict:
+    """Rank 0's side of a first save's full plan exchange with the 70B entries, alone (no
+    store): ``json.loads`` of the N values as they arrive + the real ``PlanExchange.assign`` +
+    encoding the N parts. ``now``: the values ``PlanExchange.full_value`` sends (the shards
+    each rank alone holds stay with it; a table or list equal to rank 0's goes as None);
+    ``all_lists`` (N <= ``old_max``): every rank's full chunk list, as before 2026-12-05,
+    through the same code. Interleaved, ``reps`` each, median."""
+    from fastckpt.engine.plan import PlanExchange
+    out: dict = {}
+    for n in worlds:
+        t = time.perf_counter()
+        now = [json.dumps(v).encode() for v in first_values(n, range(n), None)]
+        setup = time.perf_counter() - t
+        old = None
+        if n <= old_max:
+            old = [json.dumps({"save_id": "0123456789ab", "hash": v["hash"],
+                               "specs": plan_entry(r, n, None)["specs"], "error": None,
+                               "aliases": 0}).encode()
+                   for r, v in enumerate(json.loads(x) for x in now)]
+        zero = plan_entry(0, n, None, True)["specs"]
+        res: dict = {"now": [], "all_lists": []}
+        for _ in range(reps):
+            for kind, raw in (("now", now), ("all_lists", old)):
+                if raw is None:
+                    continue
+                ex = PlanExchange()
+                ex.value("0123456789ab", zero, error=None, aliases=0)
+                ex.full_value("0123456789ab", zero, rank=0, error=None, aliases=0)
+                t = time.perf_counter()
+                values = [json.loads(x) for x in raw]
+                t1 = time.perf_counter()
+                common, parts = ex.assign(values, 1)
+                t2 = time.perf_counter()
+                sent = [json.dumps(p).encode() for p in parts]
+                t3 = time.perf_counter()
+                res[kind].append({"loads_s": t1 - t, "assign_s": t2 - t1, "encode_s": t3 - t2,
+                                  "total_s": t3 - t})
+                res[kind + "_bytes_in"] = sum(map(len, raw))
+                res[kind + "_bytes_out"] = sum(map(len, sent))
+        row = {"setup_s": round(setup, 1)}
+        for kind in ("now", "all_lists"):
+            if res[kind]:
+                row[kind] = {k: round(statistics.median(x[k] for x in res[kind]), 4)
+                             for k in res[kind][0]}
+                row[kind]["bytes_in"] = res[kind + "_bytes_in"]
+                row[kind]["bytes_out"] = res[kind + "_bytes_out"]
+        out[n] = row
+        print(f"assign N={n}: {row}", flush=True)
+        del now, old
+    return out
 
 
 def manifest_cost(n: int, gathered: list, tree: Any) -> dict:

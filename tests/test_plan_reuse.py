@@ -24,20 +24,25 @@ from fastckpt.engine.state import flatten
 from tests.distributed import run
 
 
-def _spec(fqn, shape, offsets, sizes, dtensor, digest):
+def _spec(fqn, shape, offsets, sizes, dtensor, digest, solo=None):
     n = 4
     for s in sizes:
         n *= s
-    return (fqn, "float32", tuple(shape), tuple(offsets), tuple(sizes), n, dtensor, digest)
+    return (fqn, "float32", tuple(shape), tuple(offsets), tuple(sizes), n, dtensor, digest,
+            solo)
 
 
 def _rank_specs(rank, world, layout, contents):
-    """A rank's specs: DTensor shards of "w{i}" (rows split over the ranks), replicated
-    regular tensors "r{j}" whose fingerprint is ``contents[(rank, j)]``."""
+    """A rank's specs: DTensor shards of "w{i}" (rows split over the ranks; with
+    ``layout["solo"]`` marked as held by this rank alone, as ``local_chunks`` marks FSDP2's
+    shards: not sent to rank 0), replicated regular tensors "r{j}" whose fingerprint is
+    ``contents[(rank, j)]``."""
     specs = []
+    solo = "mesh" if layout.get("solo") else None
     for i, rows in enumerate(layout["dtensors"]):
         per = rows // world
-        specs.append(_spec(f"w{i}", (rows, 3), (rank * per, 0), (per, 3), True, None))
+        specs.append(_spec(f"w{i}", (rows, 3), (rank * per, 0), (per, 3), True, None,
+                           solo if per else None))
     for j, n in enumerate(layout["regular"]):
         specs.append(_spec(f"r{j}", (n,), (0,), (n,), False, contents[(rank, j)]))
     for fqn, n in layout["only"].get(rank, []):
@@ -56,6 +61,7 @@ class _Ranks:
     def __init__(self, world):
         self.ex = [PlanExchange() for _ in range(world)]
         self.sticky: set = set()
+        self.sent: list = []  # every full exchange's values, as rank 0 got them
 
     def save(self, specs_of, step, *, skip=()):
         """One save on every simulated rank (``skip``: ranks whose verdict never came); the
@@ -69,8 +75,9 @@ class _Ranks:
         if skip:
             return None
         if plans[0] is None:
-            full = _json([e.full_value(f"id{step}b", specs_of[r], error=None, aliases=0)
-                          for r, e in enumerate(ex)])
+            full = _json([e.full_value(f"id{step}b", specs_of[r], rank=r, error=None,
+                                       aliases=0) for r, e in enumerate(ex)])
+            self.sent.append(full)
             common, parts = _json(ex[0].assign(full, step))  # rank 0 alone plans
             plans = [e.take((common, parts[r]), r, step) for r, e in enumerate(ex)]
         hows = {e.how for e in ex}
@@ -97,7 +104,7 @@ class _Ranks:
         """Everyone's full lists, the ``sticky`` tensors' fingerprints made rank-unique."""
         out = []
         for r, specs in enumerate(specs_of):
-            rows = [list(s) for s in specs]
+            rows = [list(s[:8]) for s in specs]  # (the oracle: every chunk to rank 0)
             for row in rows:
                 if row[0] in sticky:
                     row[7] = f"{row[7]}-rank{r}"
@@ -173,11 +180,16 @@ def test_a_rank_that_missed_an_exchange_makes_everyone_exchange_the_lists():
     assert ranks.save(specs, 4) == "reused"
 
 
-def test_random_sequences_of_saves_plan_as_a_fresh_exchange_would():
+@pytest.mark.parametrize("solo", [False, True])
+def test_random_sequences_of_saves_plan_as_a_fresh_exchange_would(solo):
+    """With ``solo``, the DTensor shards stay on their ranks and a rank whose table or list is
+    rank 0's sends None for it: the plans must still be the oracle's, chunk for chunk."""
     rng = random.Random(7)
-    for world in (2, 3, 4):
+    differ: list = []
+    for world in (2, 3, 4, 7):
         ranks = _Ranks(world)
-        layout = {"dtensors": [8 * world, 4 * world], "regular": [3, 6, 2], "only": {}}
+        layout = {"dtensors": [8 * world, 4 * world], "regular": [3, 6, 2], "only": {},
+                  "solo": solo}
         contents = {(r, j): "c" for r in range(world) for j in range(3)}
         hows = set()
         for step in range(1, 40):
@@ -193,9 +205,20 @@ def test_random_sequences_of_saves_plan_as_a_fresh_exchange_would():
                 layout["only"][r] = [] if layout["only"].get(r) else [(f"o{step}", 2)]
             elif what < 0.6:  # a tensor grows
                 layout["regular"][rng.randrange(3)] += 1
+            elif what < 0.65:  # a new DTensor (every rank's table changes)
+                layout["dtensors"].append(world * rng.randint(1, 4))
             specs = [_rank_specs(r, world, layout, contents) for r in range(world)]
             hows.add(ranks.save(specs, step))
         assert hows == {"exchanged", "re-exchanged", "reused"}
+        lists = [v["specs"] is None for full in ranks.sent for v in full[1:]]
+        tables = [v["own"] is None for full in ranks.sent for v in full[1:]]
+        # (a rank sends its list only where it differs from rank 0's: with the DTensor shards
+        # out of the lists, both kinds were seen; with them in, every list differs)
+        assert (any(lists) and not all(lists)) if solo else not any(lists), lists
+        assert all(tables), tables  # (the same mesh on every rank, or no table at all)
+        differ += [bool(v.get("differ")) for full in ranks.sent for v in full[1:]]
+    # a list that is rank 0's but for a fingerprint (a copy that differs) sends that alone
+    assert any(differ) == solo
 
 
 def test_an_error_on_one_rank_is_raised_everywhere_before_any_reuse():
@@ -350,3 +373,91 @@ def test_claiming_the_root_and_the_load_agreement_name_the_failing_rank(tmp_path
     assert "rank 1" not in out[1]["load"] and "w" in out[1]["load"], out[1]
     for r in (0, *range(2, world)):
         assert "load failed on other ranks: rank 1: " in out[r]["load"], out[r]
+
+
+def test_a_tensor_sharded_two_ways_is_refused_naming_the_ranks():
+    """A tensor's solo shards must all come from one mesh and placements, and no rank may hold
+    a non-empty box of it in its list too: else two ranks could write the same rows."""
+    from fastckpt.engine.plan import make_plans
+
+    def value(own, specs):
+        return {"save_id": "s", "own": own, "own_bytes": 0, "specs": specs, "error": None,
+                "aliases": 0}
+    table = [["w", "float32", [4, 3], "meshA"]]
+    two_meshes = _json([value(table, []), value([["w", "float32", [4, 3], "meshB"]], [])])
+    with pytest.raises(fastckpt.UnsupportedStateError, match=r"'w'.*rank 1.*rank 0"):
+        make_plans(two_meshes, 1)
+    boxed = _json([value(table, []), value([], [_spec("w", (4, 3), (0, 0), (2, 3), True,
+                                                      None)[:8]])])
+    with pytest.raises(fastckpt.UnsupportedStateError, match=r"'w': rank 1 holds a box"):
+        make_plans(boxed, 1)
+    # an empty box (several ranks can hold the same one) is no conflict
+    empty = _json([value(table, []), value([], [_spec("w", (4, 3), (4, 0), (0, 3), True,
+                                                      None)[:8]])])
+    rows, plan = make_plans(empty, 1)
+    assert plan.tensors["w"]["shape"] == [4, 3] and rows[1][0][4] == [0, 3]
+
+
+def _solo_save(rank, world, root):
+    """FSDP2 shards on the world mesh stay on their ranks (``solo``); a box replicated over a
+    mesh dimension, an empty box and a 2-D sharded box are told apart; a rank whose other
+    chunks are rank 0's (the ``step`` counters, the same ``rep`` box) sends rank 0 no list at
+    all. Then it loads back."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from fastckpt.engine.plan import local_chunks
+    from tests.models import fsdp_mlp, full_state, train_step
+    sent = []
+    real = PlanExchange.full_value
+
+    def spy(self, *a, **kw):
+        out = real(self, *a, **kw)
+        sent.append(_json(out))
+        return out
+    PlanExchange.full_value = spy
+    m = fsdp_mlp(0)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    for s in range(2):
+        train_step(m, opt, s, rank, world)
+    flat, grid = init_device_mesh("cpu", (world,)), init_device_mesh("cpu", (2, world // 2))
+    extra = {"tiny": distribute_tensor(torch.arange(3.0), flat, [Shard(0)]),
+             "rep": distribute_tensor(torch.arange(8.0).reshape(4, 2), grid,
+                                      [Replicate(), Shard(0)]),
+             "grid": distribute_tensor(torch.arange(16.0).reshape(4, 4), grid,
+                                       [Shard(0), Shard(1)])}
+    specs, _ = local_chunks(extra, world=world)
+    solo = {s.fqn: s.solo is not None for s in specs}
+    specs, _ = local_chunks(dict(m.state_dict()), world=world)
+    model_solo = all(s.solo for s in specs)
+    fastckpt.save({"model": m, "optim": opt, "extra": extra}, root, step=1)
+    want = full_state(m, opt)
+    m2 = fsdp_mlp(5)
+    opt2 = torch.optim.Adam(m2.parameters(), lr=1e-2)
+    back = {k: torch.distributed.tensor.zeros(v.shape, device_mesh=v.device_mesh,
+                                              placements=v.placements)
+            for k, v in extra.items()}
+    train_step(m2, opt2, 0, rank, world)  # (the optimizer's state exists to load into)
+    fastckpt.load({"model": m2, "optim": opt2, "extra": back}, root)
+    same = all(torch.equal(back[k].full_tensor(), v.full_tensor()) for k, v in extra.items())
+    return solo, model_solo, sent, want, full_state(m2, opt2), same
+
+
+def test_real_fsdp2_shards_stay_on_their_ranks_and_load_back(tmp_path):
+    from tests.models import assert_same
+    out = run(_solo_save, 4, str(tmp_path / "ckpt"))
+    for r, (solo, model_solo, sent, want, got, same) in enumerate(out):
+        # rank 3's "tiny" box is empty (3 rows on 4 ranks): sent in its list, not solo
+        assert solo == {"tiny": r < 3, "rep": False, "grid": True}, (r, solo)
+        assert model_solo and same, r
+        assert_same(want, got)
+        (value,) = sent  # one full exchange: the first save
+        assert value["own_bytes"] > 0
+        if r == 0:
+            assert value["own"] and value["specs"]
+        else:
+            # the table is rank 0's but on rank 3, whose box of "tiny" is empty (not in it)
+            assert (value["own"] is None) == (r != 3), r
+            # "rep" is replicated over the grid's first dimension: ranks 0 and 2 hold the same
+            # box of it, 1 and 3 the other; so only rank 2's list is rank 0's
+            assert (value["specs"] is None) == (r == 2), (r, value["specs"])

@@ -55,8 +55,8 @@ from . import device as _device
 from . import dist as _dist
 from .handle import SaveHandle
 from .load import load_into
-from .plan import (PlanExchange, check_user_meta, local_chunks, raise_setup_errors,
-                   setup_failures)
+from .claim import raise_setup_errors, setup_failures
+from .plan import PlanExchange, check_user_meta, local_chunks
 from .compress import Compression
 from .tiering import Tier
 from .staging import (StagingPool, copy_all, copy_threads, first_piece_bytes, gather_piece,
@@ -316,7 +316,8 @@ class Engine:
         tree_hash = None
         try:
             flat = flatten(state)
-            local, data = local_chunks(flat.tensors, digests=self.world_size > 1)
+            local, data = local_chunks(flat.tensors, digests=self.world_size > 1,
+                                       world=self.world_size)
             specs = [tuple(s.__dict__.values()) for s in local]
             tree = flat.skeleton
             aliases = len(flat.aliases)
@@ -338,7 +339,8 @@ class Engine:
         plan = self._plans.apply(verdict, step)
         if plan is None:  # the first save, or a layout changed: the chunk lists go to rank 0
             answer = self.group.decide(
-                self._plans.full_value(uuid.uuid4().hex[:12], specs, **common),
+                self._plans.full_value(uuid.uuid4().hex[:12], specs, rank=self.rank,
+                                       **common),
                 functools.partial(self._plans.assign, step=step), each=True,
                 timeout_s=self._wait_s(deadline), what=what + " (the chunk lists)")
             plan = self._plans.take(answer, self.rank, step)

@@ -19,12 +19,13 @@ with its commit result (fastckpt/engine/writer.py).
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import json
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import StorageError, UnsupportedStateError, WriterLockedError
+from ..errors import UnsupportedStateError
 from ..manifest import schema as fmt
 from ..storage.pyio import _raw_view
 from .dtypes import dtype_name
@@ -42,6 +43,9 @@ class ChunkSpec:
     nbytes: int
     dtensor: bool
     digest: str | None = None  # regular tensors, more than one rank: see plan.digest
+    #: a DTensor box no other rank holds (every placement a shard, the mesh the whole world,
+    #: not empty): its mesh and placements, hashed; the box is not sent to rank 0 (make_plans)
+    solo: str | None = None
 
 
 @dataclass(frozen=True)
@@ -98,11 +102,13 @@ def digest(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def local_chunks(tensors: dict[str, torch.Tensor], *, digests: bool = False
+def local_chunks(tensors: dict[str, torch.Tensor], *, digests: bool = False, world: int = 1
                  ) -> tuple[list[ChunkSpec], dict]:
     """This rank's chunks and, per (fqn, offsets), the local tensor holding the data; with
-    ``digests`` (more than one rank) each regular tensor's spec carries :func:`digest`."""
+    ``digests`` (more than one rank) each regular tensor's spec carries :func:`digest`; with
+    ``world`` (the ranks saving) a DTensor box only this rank holds is marked ``solo``."""
     specs, data = [], {}
+    meshes: dict = {}
     for fqn, t in tensors.items():
         dtype = dtype_name(t.dtype)
         if is_dtensor(t):
@@ -124,71 +130,136 @@ def local_chunks(tensors: dict[str, torch.Tensor], *, digests: bool = False
             local = local.resolve_conj().resolve_neg()
         nbytes = local.numel() * local.element_size()
         dig = digest(local) if digests and not is_dtensor(t) else None
-        specs.append(ChunkSpec(fqn, dtype, shape, offsets, sizes, nbytes, is_dtensor(t), dig))
+        solo = _solo(t, world, meshes) if nbytes and world > 1 and is_dtensor(t) else None
+        specs.append(ChunkSpec(fqn, dtype, shape, offsets, sizes, nbytes, is_dtensor(t), dig,
+                               solo))
         data[(fqn, offsets)] = local
     return specs, data
 
 
-def make_plans(gathered: list[dict], step: int) -> tuple[list[list], SavePlan]:
+def _solo(t: torch.Tensor, world: int, meshes: dict) -> str | None:
+    """The hash of a DTensor's mesh and placements when its local box is this rank's alone:
+    every placement splits (``Shard``, FSDP2's ``_StridedShard``; not ``Replicate`` or
+    ``Partial``) over a mesh of all ``world`` ranks, so each rank's box differs from every
+    other's (an empty box is not: several ranks can hold the same empty one). Else None."""
+    from torch.distributed.tensor.placement_types import Shard
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard as Strided
+    except ImportError:  # (an older torch)
+        Strided = Shard
+    mesh = t.device_mesh
+    key = (id(mesh), tuple(t.placements))
+    if key not in meshes:
+        ok = mesh.size() == world and all(isinstance(p, (Shard, Strided)) for p in t.placements)
+        import xxhash
+        meshes[key] = xxhash.xxh3_64_hexdigest(
+            repr((mesh.mesh.tolist(), [repr(p) for p in t.placements])).encode()) if ok else None
+    return meshes[key]
+
+
+def make_plans(values: list[dict], step: int) -> tuple[list[list], SavePlan]:
     """(the coordinator) The global plan from everyone's chunk lists, computed once: per rank,
-    the spec rows (JSON lists, fingerprints dropped) of the chunks it writes, in key order; and
-    rank 0's own :class:`SavePlan` (with the tensor table only the coordinator needs).
+    the spec rows (JSON lists, fingerprints dropped) of the chunks rank 0 assigns it, in key
+    order; and rank 0's own :class:`SavePlan` (with the tensor table only the coordinator
+    needs). A rank's chunks that it alone holds (``ChunkSpec.solo``) are not in its list, only
+    in its table (``own``: fqn, dtype, shape, mesh) and its byte count (``own_bytes``): it
+    writes them itself (:meth:`PlanExchange.take`). A list or table that is ``None`` is rank
+    0's (the rank's hash of it was rank 0's): rank 0 plans such a group of ranks from one list,
+    O(K + N log N) where parsing every rank's list was O(N K).
 
     A regular tensor whose content differs between the ranks holding it (an RNG state, a
     per-rank buffer) is per rank: every holder writes its own and loads its own back. Every
     other chunk is written once: a chunk only one rank holds (a DTensor shard) by that rank; a
     chunk several hold, largest first, by the least-loaded holder once the single-holder bytes
     are counted."""
-    raise_state_errors(gathered)
+    raise_state_errors(values)
+    n = len(values)
     metas: dict[str, tuple] = {}
-    holders: dict[tuple, list[int]] = {}
-    digests: dict[tuple, set] = {}
-    own: list[dict] = []  # per rank: key -> its spec row
-    for r, g in enumerate(gathered):
-        rows: dict = {}
-        for s in g["specs"]:  # [fqn, dtype, shape, offsets, sizes, nbytes, dtensor, digest]
-            fqn = s[0]
-            meta = (s[1], tuple(s[2]), s[6])
-            prev = metas.setdefault(fqn, meta)
-            if prev != meta:
+
+    def meet(fqn: str, meta: tuple, r: int) -> None:
+        prev = metas.setdefault(fqn, meta)
+        if prev != meta:
+            raise UnsupportedStateError(
+                f"ranks disagree on tensor {fqn!r}: {_meta(prev)} on an earlier rank, "
+                f"{_meta(meta)} on rank {r}")
+    meshes: dict[str, tuple] = {}  # fqn -> (the mesh and placements of its shards, a rank)
+    for r, v in enumerate(values):
+        for fqn, dtype, shape, mesh in (v.get("own", []) if r == 0 else v.get("own") or ()):
+            meet(fqn, (dtype, tuple(shape), True), r)
+            if meshes.setdefault(fqn, (mesh, r))[0] != mesh:
                 raise UnsupportedStateError(
-                    f"ranks disagree on tensor {fqn!r}: {_meta(prev)} on an earlier rank, "
-                    f"{_meta(meta)} on rank {r}")
-            key = (fqn, tuple(s[3]))
-            hs = holders.get(key)
-            if hs is None:
-                holders[key] = [r]
-                digests[key] = {s[7]}
-            else:
-                hs.append(r)
-                digests[key].add(s[7])
+                    f"tensor {fqn!r} is sharded over another device mesh or placements on rank "
+                    f"{r} than on rank {meshes[fqn][1]}")
+    same = bytearray(n)  # the ranks whose list is rank 0's
+    spec: dict = {}  # key -> the first holder's row
+    extra: dict = {}  # key -> its holders outside `same`, in rank order
+    digests: dict = {}
+    mine: list = [None] * n  # the other ranks: key -> row
+    for r, v in enumerate(values):
+        if r and v["specs"] is None:
+            same[r] = 1
+            continue
+        same[r] = r == 0
+        rows: dict = {}
+        for s in v["specs"]:  # [fqn, dtype, shape, offsets, sizes, nbytes, dtensor, digest]
+            meet(s[0], (s[1], tuple(s[2]), s[6]), r)
+            if s[5] and s[0] in meshes:
+                raise UnsupportedStateError(
+                    f"tensor {s[0]!r}: rank {r} holds a box of it that rank "
+                    f"{meshes[s[0]][1]}'s device mesh gives to one rank alone")
+            key = (s[0], tuple(s[3]))
             rows[key] = s
-        own.append(rows)
+            if key in spec:
+                digests[key].add(s[7])
+                extra[key].append(r)
+            else:
+                spec[key], digests[key] = s, {s[7]}
+                extra[key] = [] if r == 0 else [r]
+        mine[r] = rows
+    base = mine[0]
+    group = [r for r in range(n) if same[r]]
+    if any(values[r].get("differ") for r in group):
+        order = list(base)  # (rank 0's list, in its order: the places ``differ`` names)
+        for r in group:
+            for i, d in values[r].get("differ") or ():
+                digests[order[i]].add(d)
+
+    def row(r: int, key: tuple) -> list:
+        return base[key] if same[r] else mine[r][key]
     per_rank = {key for key, ds in digests.items() if len(ds) > 1}
     tensors = {fqn: _meta(m) for fqn, m in metas.items()}
     for fqn, _ in per_rank:
         tensors[fqn]["per_rank"] = True
-    n = len(gathered)
     chunks: list[list] = [[] for _ in range(n)]
-    load = [0] * n
+    load = [v.get("own_bytes", 0) for v in values]
     shared = []
-    for key, hs in holders.items():
+    for key, others in extra.items():
+        mates = group if key in base else ()
         if key in per_rank:
-            for r in hs:
+            for r in (*mates, *others):
                 chunks[r].append(key)
-        elif len(hs) == 1:
-            chunks[hs[0]].append(key)
-            load[hs[0]] += own[hs[0]][key][5]
+        elif len(mates) + len(others) == 1:
+            w = mates[0] if mates else others[0]
+            chunks[w].append(key)
+            load[w] += spec[key][5]
         else:
             shared.append(key)
-    for key in sorted(shared, key=lambda k: (-own[holders[k][0]][k][5], k[0], k[1])):
-        writer = min(holders[key], key=lambda r: (load[r], r))
-        load[writer] += own[writer][key][5]
-        chunks[writer].append(key)
+    heap = [(load[r], r) for r in group]  # (the ranks of rank 0's list change load only here)
+    heapq.heapify(heap)
+    for key in sorted(shared, key=lambda k: (-spec[k][5], k[0], k[1])):
+        best = heap[0] if key in base else None
+        for r in extra[key]:
+            if best is None or (load[r], r) < best:
+                best = (load[r], r)
+        w = best[1]
+        load[w] += row(w, key)[5]
+        if same[w]:
+            heapq.heapreplace(heap, (load[w], w))
+        chunks[w].append(key)
     # (the fingerprints served the split above; a reused plan must not carry stale ones)
-    rows = [[list(own[r][k][:7]) + [None] for k in sorted(chunks[r])] for r in range(n)]
-    v2 = bool(per_rank) or any(g.get("aliases") for g in gathered)
-    plan = SavePlan(save_id=gathered[0]["save_id"], step=step, world_size=n,
+    rows = [[list(row(r, k)[:7]) + [None] for k in sorted(chunks[r])] for r in range(n)]
+    v2 = bool(per_rank) or any(g.get("aliases") for g in values)
+    plan = SavePlan(save_id=values[0]["save_id"], step=step, world_size=n,
                     my_chunks=_chunk_specs(rows[0]), tensors=tensors,
                     format_version=2 if v2 else 1)
     return rows, plan
@@ -231,6 +302,17 @@ def layout_hash(specs: list) -> str:
     """A 128-bit hash of a rank's chunk layout: its specs without the content fingerprints."""
     import xxhash
     return xxhash.xxh3_128_hexdigest(json.dumps([list(s[:7]) for s in specs]).encode())
+
+
+def _solo_of(s: tuple) -> str | None:
+    """A spec's ``solo`` (specs from before it, or built by hand, have 8 fields)."""
+    return s[8] if len(s) > 8 else None
+
+
+def _merge(rows: list, solo: list) -> list:
+    """The rows rank 0 assigned a rank and the rows of the chunks it alone holds, in key order
+    (the order :func:`make_plans` gives)."""
+    return sorted(rows + solo, key=lambda s: (s[0], tuple(s[3]))) if solo else rows
 
 
 def _joint_hash(digests: list) -> str:
@@ -282,8 +364,12 @@ class PlanExchange:
         #: (rank 0) the world size from which plans are indexed (CheckpointOptions.rank_indexes)
         self.rank_indexes = rank_indexes
         self._last: _Reusable | None = None
-        self._layout: tuple = ((), "")  # this rank's last layout and its hash
+        self._layout: tuple = ((), "", None)  # this rank's last layout, its hash, its table's
         self._made: tuple | None = None  # (rank 0) the plan assign made, until take
+        self._specs: list = []  # this rank's specs at its last value (rank 0's decide)
+        #: rank 0's table hash, list layout hash and fingerprints, from the verdict
+        self._ref: tuple = (None, None, None)
+        self._solo: list = []  # the rows of the chunks this rank alone holds (full_value)
         #: how the last plan was made: "reused", "exchanged" (the first) or "re-exchanged"
         self.how = ""
 
@@ -292,6 +378,7 @@ class PlanExchange:
         last = self._last
         out = {"save_id": save_id, "base": last.base if last is not None else None,
                "hash": self._hash(specs), **extra}
+        self._specs = specs
         if last is not None:
             regular = [s[7] for s in specs if not s[6]]
             if last.compact:
@@ -305,15 +392,27 @@ class PlanExchange:
     def _hash(self, specs: list) -> str:
         """This rank's layout hash, computed again only when the layout changed (comparing
         the tuples is C work; the hash is JSON + xxh3: ~10 ms for the 70B state's 2892)."""
-        layout = tuple(tuple(s[:7]) for s in specs)
+        layout = tuple(tuple(s[:7]) + (_solo_of(s),) for s in specs)
         if layout != self._layout[0]:
-            self._layout = (layout, layout_hash(specs) if specs else "")
+            self._layout = (layout, layout_hash(specs) if specs else "", None)
         return self._layout[1]
+
+    def _split(self, specs: list) -> tuple[list, list, str, str]:
+        """This rank's table of the chunks it alone holds (fqn, dtype, shape, mesh) and its
+        list of the others (with their fingerprints), and the hash of the table and of the
+        list's layout (without the fingerprints)."""
+        self._hash(specs)
+        table = [[s[0], s[1], s[2], s[8]] for s in specs if _solo_of(s)]
+        rest = [s[:8] for s in specs if not _solo_of(s)]
+        if self._layout[2] is None:  # (both change with the layout only)
+            self._layout = (*self._layout[:2], (_joint_hash(table), layout_hash(rest)))
+        return table, rest, *self._layout[2]
 
     def apply(self, verdict: dict, step: int) -> SavePlan | None:
         if verdict.get("error"):
             raise UnsupportedStateError(verdict["error"])
         if verdict["how"] != "reuse":
+            self._ref = (verdict.get("own"), verdict.get("rest"), verdict.get("digests"))
             return None
         last = self._last
         assert last is not None  # the coordinator saw this rank's base
@@ -325,11 +424,23 @@ class PlanExchange:
         self.how = "reused"
         return plan
 
-    def full_value(self, save_id: str, specs: list, **extra) -> dict:
+    def full_value(self, save_id: str, specs: list, *, rank: int = 0, **extra) -> dict:
         """The chunk lists for rank 0, with this rank's layout hash (the one :meth:`value`
-        computed: rank 0 need not hash N lists again, 0.6 of its 3.0 s at 64 ranks of the 70B
-        state)."""
-        return {"save_id": save_id, "specs": specs, "hash": self._hash(specs), **extra}
+        computed: rank 0 need not hash N lists again). The chunks this rank alone holds go as
+        a table without their boxes, and the table and the list of the other chunks as
+        ``None`` where their hash is rank 0's (the verdict carried those): under FSDP2 every
+        rank's are rank 0's, and rank 0 plans N ranks from one list."""
+        table, rest, own, rests = self._split(specs)
+        self._solo = [list(s[:7]) + [None] for s in specs if _solo_of(s)]
+        first, (ref_own, ref_rest, ref_digests) = rank == 0, self._ref
+        out = {"save_id": save_id, "hash": self._hash(specs),
+               "own": None if not first and own == ref_own else table,
+               "own_bytes": sum(s[5] for s in specs if _solo_of(s)), "specs": rest, **extra}
+        if not first and rests == ref_rest and len(rest) == len(ref_digests or ()):
+            # rank 0's list but for some fingerprints (a per-rank RNG state): those alone
+            out["specs"] = None
+            out["differ"] = [[i, s[7]] for i, s in enumerate(rest) if s[7] != ref_digests[i]]
+        return out
 
     def take(self, answer: tuple, rank: int, step: int) -> SavePlan:
         """(every rank) This rank's plan from the coordinator's :meth:`assign` answer."""
@@ -340,11 +451,12 @@ class PlanExchange:
         else:
             plan = SavePlan(save_id=common["save_id"], step=step,
                             world_size=common["world_size"],
-                            my_chunks=_chunk_specs(part["chunks"]), tensors={},
-                            format_version=common["format_version"],
+                            my_chunks=_chunk_specs(_merge(part["chunks"], self._solo)),
+                            tensors={}, format_version=common["format_version"],
                             indexed=common.get("indexed", False),
                             same_tree=common.get("same_tree", False))
-            last = _Reusable(plan.save_id, plan, [], [], part["mine"], [], common["compact"])
+            last = _Reusable(plan.save_id, plan, [], [], part.get("mine", common.get("mine")),
+                             [], common["compact"])
         self.how = "re-exchanged" if self._last is not None else "exchanged"
         self._last = last
         return plan
@@ -354,28 +466,37 @@ class PlanExchange:
         """(rank 0) The verdict for every rank, from every rank's :meth:`value`."""
         out = {"up_busy": any(v.get("up_busy") for v in values),
                "error": state_errors(values), "how": "exchange"}
-        last = self._last
-        if (out["error"] or last is None or any(v["base"] != last.base for v in values)
-                or [v["hash"] for v in values] != last.hashes):
+        if out["error"] or not self._reuses(values):
+            if not out["error"]:  # what each rank compares its table and its list with
+                _, rest, out["own"], out["rest"] = self._split(self._specs)
+                out["digests"] = [s[7] for s in rest]
             return out
+        per_rank = any(m.get("per_rank") for m in self._last.plan.tensors.values())
+        v2 = per_rank or any(v.get("aliases") for v in values)
+        return {**out, "how": "reuse", "save_id": values[0]["save_id"],
+                "format_version": 2 if v2 else 1, "indexed": self._indexed(len(values)),
+                "same_tree": _same_tree(values)}
+
+    def _reuses(self, values: list[dict]) -> bool:
+        """(rank 0) Whether the last exchange's plan holds for every rank's value."""
+        last = self._last
+        if (last is None or any(v["base"] != last.base for v in values)
+                or [v["hash"] for v in values] != last.hashes):
+            return False
         if last.compact:
             seen: dict = {}
             for r, v in enumerate(values):
                 g = last.group[r]
                 if g is not None and seen.setdefault(g, v["rep"]) != v["rep"]:
-                    return out  # a shared replicated tensor differs now between its holders
-        else:
-            keys: dict = {}
-            for r, v in enumerate(values):
-                d = v["digests"]
-                for key, i in zip(last.watch[r][1], last.watch[r][0]):
-                    if keys.setdefault(key, d[i]) != d[i]:
-                        return out
-        per_rank = any(m.get("per_rank") for m in last.plan.tensors.values())
-        v2 = per_rank or any(v.get("aliases") for v in values)
-        return {**out, "how": "reuse", "save_id": values[0]["save_id"],
-                "format_version": 2 if v2 else 1, "indexed": self._indexed(len(values)),
-                "same_tree": _same_tree(values)}
+                    return False  # a shared replicated tensor differs now between its holders
+            return True
+        keys: dict = {}
+        for r, v in enumerate(values):
+            d = v["digests"]
+            for key, i in zip(last.watch[r][1], last.watch[r][0]):
+                if keys.setdefault(key, d[i]) != d[i]:
+                    return False
+        return True
 
     def _indexed(self, world: int) -> bool:
         return self.rank_indexes is not None and world >= self.rank_indexes
@@ -388,13 +509,17 @@ class PlanExchange:
         store where every rank parsing every list moved O(N^2)."""
         rows, plan = make_plans(values, step)
         plan = dataclasses.replace(plan, indexed=self._indexed(len(values)),
-                                   same_tree=_same_tree(values))
+                                   same_tree=_same_tree(values),
+                                   my_chunks=_chunk_specs(_merge(rows[0], self._solo)))
         last = self._reusable(values, plan)
         self._made = (plan, last)
         common = {"save_id": plan.save_id, "format_version": plan.format_version,
                   "world_size": plan.world_size, "compact": last.compact,
-                  "indexed": plan.indexed, "same_tree": plan.same_tree}
-        return common, [{"chunks": rows[r], "mine": last.watch[r][0]}
+                  "indexed": plan.indexed, "same_tree": plan.same_tree,
+                  "mine": last.watch[0][0]}
+        # (a rank whose list is rank 0's watches the same places: the common part has them)
+        return common, [{"chunks": rows[r]} if last.watch[r] is last.watch[0] else
+                        {"chunks": rows[r], "mine": last.watch[r][0]}
                         for r in range(len(values))]
 
     @staticmethod
@@ -402,52 +527,38 @@ class PlanExchange:
         """(rank 0) What the verdicts after this exchange compare, for every rank."""
         # the replicated tensors (not per rank) held by more than one rank, by their place in
         # each holder's regular-tensor fingerprints (DTensor boxes have none: never per rank)
+        # A rank whose list is rank 0's (None) watches what rank 0 watches: one entry for them
         per_rank = {fqn for fqn, m in plan.tensors.items() if m.get("per_rank")}
-        holders: dict = {}
-        places: list = []
+        n = len(gathered)
+        alike = sum(1 for r, g in enumerate(gathered) if r == 0 or g["specs"] is None)
+        places: dict = {}  # rank 0 and the ranks with their own list: key -> place
+        holders: dict = {}  # key -> the ranks with their own list holding it
+        count: dict = {}
         for r, g in enumerate(gathered):
+            if r and g["specs"] is None:
+                continue
             regular = [s for s in g["specs"] if not s[6]]
-            places.append({(s[0], tuple(s[3])): j for j, s in enumerate(regular)})
+            places[r] = {(s[0], tuple(s[3])): j for j, s in enumerate(regular)}
             for key in places[r]:
                 if key[0] not in per_rank:
-                    holders.setdefault(key, []).append(r)
-        shared = sorted(k for k, rs in holders.items() if len(rs) > 1)
-        watched: list = [[] for _ in gathered]
+                    count[key] = count.get(key, 0) + (alike if r == 0 else 1)
+                    if r:
+                        holders.setdefault(key, []).append(r)
+        shared = sorted(k for k, c in count.items() if c > 1)
+        watched: dict = {r: [] for r in places}
         for key in shared:
-            for r in holders[key]:
+            for r in ([0] if key in places[0] else []) + holders.get(key, []):
                 watched[r].append(key)
         sig: dict = {}
-        group = [sig.setdefault(tuple(w), len(sig)) if w else None for w in watched]
-        compact = all(len({group[r] for r in holders[key]}) == 1 for key in shared)
-        watch = [([places[r][k] for k in watched[r]], watched[r]) for r in range(len(gathered))]
+        gid = {r: sig.setdefault(tuple(w), len(sig)) if w else None for r, w in watched.items()}
+        compact = all(len({gid[r] for r in ([0] if key in places[0] else [])
+                           + holders.get(key, [])}) == 1 for key in shared)
+        mine = {r: ([places[r][k] for k in w], w) for r, w in watched.items()}
+        watch = [mine.get(r, mine[0]) for r in range(n)]
+        group = [gid.get(r, gid[0]) for r in range(n)]
         hashes = [g["hash"] if isinstance(g.get("hash"), str) else
                   layout_hash(g["specs"]) if g["specs"] else "" for g in gathered]
         return _Reusable(plan.save_id, plan, hashes, watch, watch[0][0], group, compact)
-
-
-def setup_failures(values: list[dict]) -> list:
-    """(rank 0, ``Group.decide``) The ranks that could not claim the root, with their errors:
-    ``[rank, [kind, message]]`` for the first few, and how many in all."""
-    bad = [[r, v["setup"]] for r, v in enumerate(values) if v.get("setup")]
-    return [bad[:NAMED_MAX], len(bad)]
-
-
-#: at most this many ranks' errors travel in an agreement's answer (the count says the rest)
-NAMED_MAX = 8
-
-
-def raise_setup_errors(failures: list, mine: BaseException | None) -> None:
-    """(all ranks, after claiming the root) Raise if any rank could not claim it: its own
-    error on that rank, the same kind naming the (first) rank on the others."""
-    bad, n = failures
-    if not n:
-        return
-    if mine is not None:
-        raise mine
-    r, (kind, msg) = bad[0]
-    cls = WriterLockedError if kind == WriterLockedError.__name__ else StorageError
-    more = f" (and {n - 1} more rank(s))" if n > 1 else ""
-    raise cls(f"rank {r} cannot save: {msg}{more}")
 
 
 def check_user_meta(meta: dict | None) -> dict:
