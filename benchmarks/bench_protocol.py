@@ -287,14 +287,18 @@ def skeleton_tree() -> Any:
     return flat.skeleton
 
 
-def plan_entry(rank: int, world: int, tree: Any, solo: bool = False) -> dict:
+def plan_entry(rank: int, world: int, tree: Any, solo: bool = False, rng: bool = False) -> dict:
     """Rank ``rank``'s value in the plan exchange (``Engine._plan``) for the 70B model + AdamW
     under FSDP2 over ``world`` ranks: every parameter and both moments a dim-0 ``Shard``
     DTensor (fp32: FSDP2 keeps fp32 sharded parameters, bf16 only for compute), ``step`` a
     regular 0-dim tensor (fingerprinted), in ``ChunkSpec`` field order; with ``solo`` each
     non-empty shard marked as ``local_chunks`` marks it (one mesh of the whole world), without
-    it the specs as they were before 2026-12-05 (every chunk sent to rank 0)."""
+    it the specs as they were before 2026-12-05 (every chunk sent to rank 0); with ``rng``
+    also ``fastckpt.RNGState``'s torch generator state, different on every rank (per rank)."""
     specs = []
+    if rng:
+        specs.append(["rng.torch", "uint8", [5056], [0], [5056], 5056, False, f"{rank:016x}",
+                      *[None] * solo])
     mesh = ["3f81cb0f4a815fbb"] if solo else []
     for fqn, shape in model_tensors():
         d0 = shape[0]
@@ -316,21 +320,22 @@ def plan_entry(rank: int, world: int, tree: Any, solo: bool = False) -> dict:
             "aliases": 0}
 
 
-def first_values(world: int, ranks: Any, tree: Any) -> list[dict]:
+def first_values(world: int, ranks: Any, tree: Any, rng: bool = False) -> list[dict]:
     """Each of ``ranks``' value in a first save's full plan exchange (``Engine._plan``), as the
     real ``PlanExchange`` makes it: rank 0's verdict carries the hashes of its table and list,
     and a rank whose own are the same sends None for them (under FSDP2: every rank)."""
     from fastckpt.engine.plan import PlanExchange
     zero = PlanExchange()
-    v0 = zero.value("0123456789ab", plan_entry(0, world, tree, True)["specs"], error=None,
+    v0 = zero.value("0123456789ab", plan_entry(0, world, tree, True, rng)["specs"], error=None,
                     aliases=0)
     verdict = json.loads(json.dumps(zero.decide([v0])))
     out = []
     for r in ranks:
         ex = PlanExchange()
         ex.apply(verdict, 1)
-        out.append(ex.full_value("0123456789ab", plan_entry(r, world, tree, True)["specs"],
-                                 rank=r, error=None, aliases=0))
+        out.append(ex.full_value("0123456789ab",
+                                 plan_entry(r, world, tree, True, rng)["specs"], rank=r,
+                                 error=None, aliases=0))
     return out
 
 
@@ -1240,26 +1245,28 @@ def reuse_cost(n: int, gathered: list) -> dict:
             "own_value_and_apply_s": round(own_s, 4)}
 
 
-def assign_cost(worlds: list[int], old_max: int = 256, reps: int = 3) -> dict:
+def assign_cost(worlds: list[int], old_max: int = 256, reps: int = 3,
+                rng: bool = False) -> dict:
     """Rank 0's side of a first save's full plan exchange with the 70B entries, alone (no
     store): ``json.loads`` of the N values as they arrive + the real ``PlanExchange.assign`` +
     encoding the N parts. ``now``: the values ``PlanExchange.full_value`` sends (the shards
     each rank alone holds stay with it; a table or list equal to rank 0's goes as None);
     ``all_lists`` (N <= ``old_max``): every rank's full chunk list, as before 2026-12-05,
-    through the same code. Interleaved, ``reps`` each, median."""
+    through the same code. Interleaved, ``reps`` each, median. ``rng``: every rank also holds
+    its own RNG state (per rank: its list differs from rank 0's by that fingerprint)."""
     from fastckpt.engine.plan import PlanExchange
     out: dict = {}
     for n in worlds:
         t = time.perf_counter()
-        now = [json.dumps(v).encode() for v in first_values(n, range(n), None)]
+        now = [json.dumps(v).encode() for v in first_values(n, range(n), None, rng)]
         setup = time.perf_counter() - t
         old = None
         if n <= old_max:
             old = [json.dumps({"save_id": "0123456789ab", "hash": v["hash"],
-                               "specs": plan_entry(r, n, None)["specs"], "error": None,
+                               "specs": plan_entry(r, n, None, rng=rng)["specs"], "error": None,
                                "aliases": 0}).encode()
                    for r, v in enumerate(json.loads(x) for x in now)]
-        zero = plan_entry(0, n, None, True)["specs"]
+        zero = plan_entry(0, n, None, True, rng)["specs"]
         res: dict = {"now": [], "all_lists": []}
         for _ in range(reps):
             for kind, raw in (("now", now), ("all_lists", old)):
@@ -1268,6 +1275,8 @@ def assign_cost(worlds: list[int], old_max: int = 256, reps: int = 3) -> dict:
                 ex = PlanExchange()
                 ex.value("0123456789ab", zero, error=None, aliases=0)
                 ex.full_value("0123456789ab", zero, rank=0, error=None, aliases=0)
+                values = common = parts = sent = None  # (the last contender's: not alive)
+                gc.collect()
                 t = time.perf_counter()
                 values = [json.loads(x) for x in raw]
                 t1 = time.perf_counter()

@@ -402,7 +402,7 @@ def _solo_save(rank, world, root):
     """FSDP2 shards on the world mesh stay on their ranks (``solo``); a box replicated over a
     mesh dimension, an empty box and a 2-D sharded box are told apart; a rank whose other
     chunks are rank 0's (the ``step`` counters, the same ``rep`` box) sends rank 0 no list at
-    all. Then it loads back."""
+    all. Then it loads back, the empty box that nobody wrote and the empty tensor too."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -422,6 +422,7 @@ def _solo_save(rank, world, root):
         train_step(m, opt, s, rank, world)
     flat, grid = init_device_mesh("cpu", (world,)), init_device_mesh("cpu", (2, world // 2))
     extra = {"tiny": distribute_tensor(torch.arange(3.0), flat, [Shard(0)]),
+             "none": distribute_tensor(torch.zeros(0, 2), flat, [Shard(0)]),
              "rep": distribute_tensor(torch.arange(8.0).reshape(4, 2), grid,
                                       [Replicate(), Shard(0)]),
              "grid": distribute_tensor(torch.arange(16.0).reshape(4, 4), grid,
@@ -447,8 +448,9 @@ def test_real_fsdp2_shards_stay_on_their_ranks_and_load_back(tmp_path):
     from tests.models import assert_same
     out = run(_solo_save, 4, str(tmp_path / "ckpt"))
     for r, (solo, model_solo, sent, want, got, same) in enumerate(out):
-        # rank 3's "tiny" box is empty (3 rows on 4 ranks): sent in its list, not solo
-        assert solo == {"tiny": r < 3, "rep": False, "grid": True}, (r, solo)
+        # rank 3's "tiny" box is empty (3 rows on 4 ranks): solo, written by nobody; a tensor
+        # with no element ("none") is never solo (someone must write its empty chunk)
+        assert solo == {"tiny": True, "none": False, "rep": False, "grid": True}, (r, solo)
         assert model_solo and same, r
         assert_same(want, got)
         (value,) = sent  # one full exchange: the first save
@@ -456,8 +458,7 @@ def test_real_fsdp2_shards_stay_on_their_ranks_and_load_back(tmp_path):
         if r == 0:
             assert value["own"] and value["specs"]
         else:
-            # the table is rank 0's but on rank 3, whose box of "tiny" is empty (not in it)
-            assert (value["own"] is None) == (r != 3), r
+            assert value["own"] is None, r  # every rank's table is rank 0's
             # "rep" is replicated over the grid's first dimension: ranks 0 and 2 hold the same
             # box of it, 1 and 3 the other; so only rank 2's list is rank 0's
             assert (value["specs"] is None) == (r == 2), (r, value["specs"])

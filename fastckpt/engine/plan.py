@@ -44,7 +44,8 @@ class ChunkSpec:
     dtensor: bool
     digest: str | None = None  # regular tensors, more than one rank: see plan.digest
     #: a DTensor box no other rank holds (every placement a shard, the mesh the whole world,
-    #: not empty): its mesh and placements, hashed; the box is not sent to rank 0 (make_plans)
+    #: the tensor not empty): its mesh and placements, hashed; the box is not sent to rank 0
+    #: (make_plans), and an empty one is not written at all (the others cover the tensor)
     solo: str | None = None
 
 
@@ -130,7 +131,8 @@ def local_chunks(tensors: dict[str, torch.Tensor], *, digests: bool = False, wor
             local = local.resolve_conj().resolve_neg()
         nbytes = local.numel() * local.element_size()
         dig = digest(local) if digests and not is_dtensor(t) else None
-        solo = _solo(t, world, meshes) if nbytes and world > 1 and is_dtensor(t) else None
+        solo = (_solo(t, world, meshes) if world > 1 and is_dtensor(t) and t.numel()
+                else None)
         specs.append(ChunkSpec(fqn, dtype, shape, offsets, sizes, nbytes, is_dtensor(t), dig,
                                solo))
         data[(fqn, offsets)] = local
@@ -141,7 +143,8 @@ def _solo(t: torch.Tensor, world: int, meshes: dict) -> str | None:
     """The hash of a DTensor's mesh and placements when its local box is this rank's alone:
     every placement splits (``Shard``, FSDP2's ``_StridedShard``; not ``Replicate`` or
     ``Partial``) over a mesh of all ``world`` ranks, so each rank's box differs from every
-    other's (an empty box is not: several ranks can hold the same empty one). Else None."""
+    other's but for empty ones (several ranks can hold the same empty box: none writes it, the
+    non-empty boxes cover the tensor; an empty tensor is never solo). Else None."""
     from torch.distributed.tensor.placement_types import Shard
     try:
         from torch.distributed.tensor.placement_types import _StridedShard as Strided
@@ -431,7 +434,7 @@ class PlanExchange:
         ``None`` where their hash is rank 0's (the verdict carried those): under FSDP2 every
         rank's are rank 0's, and rank 0 plans N ranks from one list."""
         table, rest, own, rests = self._split(specs)
-        self._solo = [list(s[:7]) + [None] for s in specs if _solo_of(s)]
+        self._solo = [list(s[:7]) + [None] for s in specs if _solo_of(s) and s[5]]
         first, (ref_own, ref_rest, ref_digests) = rank == 0, self._ref
         out = {"save_id": save_id, "hash": self._hash(specs),
                "own": None if not first and own == ref_own else table,
