@@ -308,7 +308,7 @@ def plan_entry(rank: int, world: int, tree: Any, solo: bool = False, rng: bool =
         offs = [lo] + [0] * (len(shape) - 1)
         sizes = [rows] + list(shape[1:])
         nbytes = 4 * rows * (shape[1] if len(shape) > 1 else 1)
-        box = (mesh if nbytes else [None] * len(mesh))
+        box = mesh  # (an empty box of a non-empty tensor too, as local_chunks marks it)
         specs.append([fqn, "float32", list(shape), offs, sizes, nbytes, True, None, *box])
         ofqn = "optim.state." + fqn[len("model."):]
         specs.append([ofqn + ".step", "float32", [], [], [], 4, False, "5d1c0a5e3f1b2c4d",

@@ -444,9 +444,15 @@ def _solo_save(rank, world, root):
     return solo, model_solo, sent, want, full_state(m2, opt2), same
 
 
-def test_real_fsdp2_shards_stay_on_their_ranks_and_load_back(tmp_path):
+@pytest.mark.parametrize("indexed", [False, True])
+def test_real_fsdp2_shards_stay_on_their_ranks_and_load_back(tmp_path, indexed):
+    """(``indexed``: per-rank chunk indexes, each rank loading from its own: rank 3's has no
+    chunk of "tiny", whose box on rank 3 is empty)"""
     from tests.models import assert_same
-    out = run(_solo_save, 4, str(tmp_path / "ckpt"))
+    import glob
+    env = {"FASTCKPT_RANK_INDEXES": "1" if indexed else "none"}
+    out = run(_solo_save, 4, str(tmp_path / "ckpt"), env=env)
+    assert len(glob.glob(str(tmp_path / "ckpt" / "*" / "*.fci"))) == (4 if indexed else 0)
     for r, (solo, model_solo, sent, want, got, same) in enumerate(out):
         # rank 3's "tiny" box is empty (3 rows on 4 ranks): solo, written by nobody; a tensor
         # with no element ("none") is never solo (someone must write its empty chunk)
