@@ -400,9 +400,10 @@ def test_a_tensor_sharded_two_ways_is_refused_naming_the_ranks():
 
 def _solo_save(rank, world, root):
     """FSDP2 shards on the world mesh stay on their ranks (``solo``); a box replicated over a
-    mesh dimension, an empty box and a 2-D sharded box are told apart; a rank whose other
-    chunks are rank 0's (the ``step`` counters, the same ``rep`` box) sends rank 0 no list at
-    all. Then it loads back, the empty box that nobody wrote and the empty tensor too."""
+    mesh dimension (its replicas elect the writer), an empty box and a 2-D sharded box are
+    told apart; a rank whose other chunks are rank 0's (the ``step`` counters) sends rank 0 no
+    list at all. Then it loads back, the empty box that nobody wrote and the empty tensor
+    too; every box of "rep" is in the checkpoint once."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -428,7 +429,7 @@ def _solo_save(rank, world, root):
              "grid": distribute_tensor(torch.arange(16.0).reshape(4, 4), grid,
                                        [Shard(0), Shard(1)])}
     specs, _ = local_chunks(extra, world=world)
-    solo = {s.fqn: s.solo is not None for s in specs}
+    solo = {s.fqn: (s.solo is not None, s.writes) for s in specs}
     specs, _ = local_chunks(dict(m.state_dict()), world=world)
     model_solo = all(s.solo for s in specs)
     fastckpt.save({"model": m, "optim": opt, "extra": extra}, root, step=1)
@@ -455,8 +456,12 @@ def test_real_fsdp2_shards_stay_on_their_ranks_and_load_back(tmp_path, indexed):
     assert len(glob.glob(str(tmp_path / "ckpt" / "*" / "*.fci"))) == (4 if indexed else 0)
     for r, (solo, model_solo, sent, want, got, same) in enumerate(out):
         # rank 3's "tiny" box is empty (3 rows on 4 ranks): solo, written by nobody; a tensor
-        # with no element ("none") is never solo (someone must write its empty chunk)
-        assert solo == {"tiny": True, "none": False, "rep": False, "grid": True}, (r, solo)
+        # with no element ("none") is never solo (someone must write its empty chunk); "rep"
+        # is replicated over the grid's first dim: ranks 0 and 2 hold one box, 1 and 3 the
+        # other, and one of each pair writes it
+        assert {k: v[0] for k, v in solo.items()} == {
+            "tiny": True, "none": False, "rep": True, "grid": True}, (r, solo)
+        assert solo["tiny"][1] == (r < 3) and solo["grid"][1], (r, solo)
         assert model_solo and same, r
         assert_same(want, got)
         (value,) = sent  # one full exchange: the first save
@@ -465,6 +470,17 @@ def test_real_fsdp2_shards_stay_on_their_ranks_and_load_back(tmp_path, indexed):
             assert value["own"] and value["specs"]
         else:
             assert value["own"] is None, r  # every rank's table is rank 0's
-            # "rep" is replicated over the grid's first dimension: ranks 0 and 2 hold the same
-            # box of it, 1 and 3 the other; so only rank 2's list is rank 0's
-            assert (value["specs"] is None) == (r == 2), (r, value["specs"])
+            # (the boxes are all solo: what is left, the optimizer's step counters, is alike)
+            assert value["specs"] is None, (r, value["specs"])
+    writers = [out[r][0]["rep"][1] for r in range(4)]
+    assert writers[0] != writers[2] and writers[1] != writers[3], writers
+    from fastckpt.manifest.discovery import read_manifest
+    from fastckpt.manifest.schema import step_dirname
+    from fastckpt.storage import open_storage
+    root = str(tmp_path / "ckpt")
+    body = read_manifest(open_storage(root), f"{root}/{step_dirname(1)}", step=1)
+    boxes = {fqn: sorted(tuple(c["offsets"]) for c in t["chunks"])
+             for fqn, t in body["tensors"].items() if fqn.startswith("extra.")}
+    assert boxes == {"extra.tiny": [(0,), (1,), (2,)], "extra.none": [(0, 0)],
+                     "extra.rep": [(0, 0), (2, 0)],
+                     "extra.grid": [(0, 0), (0, 2), (2, 0), (2, 2)]}, boxes

@@ -56,7 +56,7 @@ from . import dist as _dist
 from .handle import SaveHandle
 from .load import load_into
 from .claim import raise_setup_errors, setup_failures
-from .plan import PlanExchange, check_user_meta, local_chunks
+from .plan import PlanExchange, local_chunks
 from .compress import Compression
 from .tiering import Tier
 from .staging import (StagingPool, copy_all, copy_threads, first_piece_bytes, gather_piece,
@@ -252,7 +252,7 @@ class Engine:
             self._drain_previous()
         else:  # an emergency save: a failure nobody observed must not stop it
             earlier = self._take_previous_failure()
-        user_meta = check_user_meta(user_meta)
+        user_meta = fmt.check_user_meta(user_meta)
         plan, data = self._plan(state, step, deadline)
         if not self._claimed:
             self._claim_root(deadline)

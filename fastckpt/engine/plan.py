@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UnsupportedStateError
-from ..manifest import schema as fmt
 from ..storage.pyio import _raw_view
 from .dtypes import dtype_name
 from .state import is_dtensor
@@ -43,10 +42,11 @@ class ChunkSpec:
     nbytes: int
     dtensor: bool
     digest: str | None = None  # regular tensors, more than one rank: see plan.digest
-    #: a DTensor box no other rank holds (every placement a shard, the mesh the whole world,
-    #: the tensor not empty): its mesh and placements, hashed; the box is not sent to rank 0
-    #: (make_plans), and an empty one is not written at all (the others cover the tensor)
+    #: a DTensor box whose holders follow from its mesh (the whole world) and placements
+    #: (shards and replicas, the tensor not empty): their hash; not sent to rank 0 (make_plans)
     solo: str | None = None
+    #: (solo) this rank writes it: not empty, and elected among its replicas (:func:`_elect`)
+    writes: bool = True
 
 
 @dataclass(frozen=True)
@@ -131,21 +131,25 @@ def local_chunks(tensors: dict[str, torch.Tensor], *, digests: bool = False, wor
             local = local.resolve_conj().resolve_neg()
         nbytes = local.numel() * local.element_size()
         dig = digest(local) if digests and not is_dtensor(t) else None
-        solo = (_solo(t, world, meshes) if world > 1 and is_dtensor(t) and t.numel()
-                else None)
+        solo, writes = None, True
+        if world > 1 and is_dtensor(t) and t.numel():
+            solo, replicas, mine = _solo(t, world, meshes)
+            writes = bool(nbytes) and (replicas == 1 or _elect(fqn, offsets, replicas) == mine)
         specs.append(ChunkSpec(fqn, dtype, shape, offsets, sizes, nbytes, is_dtensor(t), dig,
-                               solo))
+                               solo, writes))
         data[(fqn, offsets)] = local
     return specs, data
 
 
-def _solo(t: torch.Tensor, world: int, meshes: dict) -> str | None:
-    """The hash of a DTensor's mesh and placements when its local box is this rank's alone:
-    every placement splits (``Shard``, FSDP2's ``_StridedShard``; not ``Replicate`` or
-    ``Partial``) over a mesh of all ``world`` ranks, so each rank's box differs from every
-    other's but for empty ones (several ranks can hold the same empty box: none writes it, the
-    non-empty boxes cover the tensor; an empty tensor is never solo). Else None."""
-    from torch.distributed.tensor.placement_types import Shard
+def _solo(t: torch.Tensor, world: int, meshes: dict) -> tuple:
+    """(the hash of a DTensor's mesh and placements, its replicas R, this rank's place among
+    them) when the holders of its local box follow from them alone: every placement a
+    ``Shard`` (or FSDP2's ``_StridedShard``) or a ``Replicate`` (not ``Partial``), over a mesh
+    of all ``world`` ranks. The box is then held by this rank alone (R = 1) or by the R ranks
+    with its coordinates on the other mesh dims, which elect its writer (:func:`_elect`)
+    without an exchange; an empty box (uneven shards: several ranks can hold the same one) by
+    nobody, the non-empty boxes cover the tensor. Else (None, 0, 0)."""
+    from torch.distributed.tensor.placement_types import Replicate, Shard
     try:
         from torch.distributed.tensor.placement_types import _StridedShard as Strided
     except ImportError:  # (an older torch)
@@ -153,11 +157,25 @@ def _solo(t: torch.Tensor, world: int, meshes: dict) -> str | None:
     mesh = t.device_mesh
     key = (id(mesh), tuple(t.placements))
     if key not in meshes:
-        ok = mesh.size() == world and all(isinstance(p, (Shard, Strided)) for p in t.placements)
-        import xxhash
-        meshes[key] = xxhash.xxh3_64_hexdigest(
-            repr((mesh.mesh.tolist(), [repr(p) for p in t.placements])).encode()) if ok else None
+        meshes[key] = (None, 0, 0)
+        if mesh.size() == world and all(isinstance(p, (Shard, Strided, Replicate))
+                                        for p in t.placements):
+            import xxhash
+            where, shape = mesh.get_coordinate(), tuple(mesh.mesh.shape)
+            replicas, mine = 1, 0
+            for d, p in enumerate(t.placements):
+                if isinstance(p, Replicate):
+                    replicas, mine = replicas * shape[d], mine * shape[d] + where[d]
+            meshes[key] = (xxhash.xxh3_64_hexdigest(repr(
+                (mesh.mesh.tolist(), [repr(p) for p in t.placements])).encode()), replicas, mine)
     return meshes[key]
+
+
+def _elect(fqn: str, offsets: tuple, replicas: int) -> int:
+    """Which of a box's ``replicas`` writes it: a hash of the box, the same on every replica
+    (each decides alone; balanced over many boxes, not by bytes as rank 0's plan is)."""
+    import xxhash
+    return xxhash.xxh3_64_intdigest(repr((fqn, tuple(offsets))).encode()) % replicas
 
 
 def make_plans(values: list[dict], step: int) -> tuple[list[list], SavePlan]:
@@ -312,6 +330,11 @@ def _solo_of(s: tuple) -> str | None:
     return s[8] if len(s) > 8 else None
 
 
+def _writes(s: tuple) -> bool:
+    """Whether this rank writes a solo box (by hand: every non-empty one)."""
+    return bool(s[5]) and (s[9] if len(s) > 9 else True)
+
+
 def _merge(rows: list, solo: list) -> list:
     """The rows rank 0 assigned a rank and the rows of the chunks it alone holds, in key order
     (the order :func:`make_plans` gives)."""
@@ -434,11 +457,12 @@ class PlanExchange:
         ``None`` where their hash is rank 0's (the verdict carried those): under FSDP2 every
         rank's are rank 0's, and rank 0 plans N ranks from one list."""
         table, rest, own, rests = self._split(specs)
-        self._solo = [list(s[:7]) + [None] for s in specs if _solo_of(s) and s[5]]
+        self._solo = [list(s[:7]) + [None] for s in specs if _solo_of(s) and _writes(s)]
         first, (ref_own, ref_rest, ref_digests) = rank == 0, self._ref
         out = {"save_id": save_id, "hash": self._hash(specs),
                "own": None if not first and own == ref_own else table,
-               "own_bytes": sum(s[5] for s in specs if _solo_of(s)), "specs": rest, **extra}
+               "own_bytes": sum(s[5] for s in specs if _solo_of(s) and _writes(s)),
+               "specs": rest, **extra}
         if not first and rests == ref_rest and len(rest) == len(ref_digests or ()):
             # rank 0's list but for some fingerprints (a per-rank RNG state): those alone
             out["specs"] = None
@@ -562,19 +586,3 @@ class PlanExchange:
         hashes = [g["hash"] if isinstance(g.get("hash"), str) else
                   layout_hash(g["specs"]) if g["specs"] else "" for g in gathered]
         return _Reusable(plan.save_id, plan, hashes, watch, watch[0][0], group, compact)
-
-
-def check_user_meta(meta: dict | None) -> dict:
-    """A copy of ``user_meta`` once it is known to be JSON a manifest can hold (else the
-    checkpoint could be committed and then refused on load)."""
-    if meta is None:
-        return {}
-    if not isinstance(meta, dict):
-        raise TypeError(f"user_meta must be a dict, got {type(meta).__qualname__}")
-    try:
-        data = json.dumps(meta, allow_nan=False)
-    except (TypeError, ValueError, RecursionError) as e:
-        raise ValueError(f"user_meta must be plain JSON (str keys, finite numbers): {e}") from None
-    if fmt.too_deep(meta) is not None:
-        raise ValueError(f"user_meta nests deeper than {fmt.MAX_NESTING} levels")
-    return json.loads(data)

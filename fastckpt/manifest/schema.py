@@ -496,3 +496,19 @@ def tree_for_rank(body: dict, rank: int, world_size: int, *, file: str) -> Any:
             f"{len(trees)} ranks, not {world_size}. Keep per-rank values under the rank's own key "
             "to load at another world size.", file=file)
     return trees[rank]
+
+
+def check_user_meta(meta: dict | None) -> dict:
+    """A copy of ``user_meta`` once it is known to be JSON a manifest can hold (else the
+    checkpoint could be committed and then refused on load)."""
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise TypeError(f"user_meta must be a dict, got {type(meta).__qualname__}")
+    try:
+        data = json.dumps(meta, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ValueError(f"user_meta must be plain JSON (str keys, finite numbers): {e}") from None
+    if too_deep(meta) is not None:
+        raise ValueError(f"user_meta nests deeper than {MAX_NESTING} levels")
+    return json.loads(data)
