@@ -7,13 +7,15 @@ of its replicated tensors that other ranks hold too. Rank 0 answers every rank w
 verdict: **reuse** when every layout hash is the one that rank sent at the previous exchange
 and no such tensor differs now between its holders (the common case: the chunk layout of a
 training state does not change between saves; nobody parses N chunk lists or runs
-``make_plan``, and the store moves O(N) bytes), else **exchange**: every rank sends its chunk
-list to rank 0 alone (the first save, a changed layout), which computes the plan once
+``make_plan``, and the store moves O(N) bytes), else **exchange**: every rank sends rank 0
+alone (the first save, a changed layout) what rank 0 cannot know: not its DTensor boxes whose
+holders follow from the mesh (``ChunkSpec.solo``: its own, or elected among replicas), only
+their table, and no table or list that is rank 0's (``None``). Rank 0 computes the plan once
 (``make_plans``): the save id (rank 0's proposal), dtype/shape agreement, and the writer of
-each chunk (a chunk several ranks hold is written once, by the least-loaded holder, largest
-chunks first); each rank receives only its own part (``Group.decide(..., each=True)``). The
-plain-value skeletons are not part of the exchange: each rank sends its own to the coordinator
-with its commit result (fastckpt/engine/writer.py).
+each other chunk (a chunk several ranks hold is written once, by the least-loaded holder,
+largest chunks first); each rank receives only its own part (``Group.decide(..., each=True)``).
+The plain-value skeletons are not part of the exchange: each rank sends its own to the
+coordinator with its commit result (fastckpt/engine/writer.py).
 """
 
 from __future__ import annotations
@@ -452,10 +454,11 @@ class PlanExchange:
 
     def full_value(self, save_id: str, specs: list, *, rank: int = 0, **extra) -> dict:
         """The chunk lists for rank 0, with this rank's layout hash (the one :meth:`value`
-        computed: rank 0 need not hash N lists again). The chunks this rank alone holds go as
-        a table without their boxes, and the table and the list of the other chunks as
-        ``None`` where their hash is rank 0's (the verdict carried those): under FSDP2 every
-        rank's are rank 0's, and rank 0 plans N ranks from one list."""
+        computed: rank 0 need not hash N lists again). Its solo chunks go as a table without
+        their boxes, and the table and the list of the other chunks as ``None`` where their
+        hash is rank 0's (the verdict carried those; a list with rank 0's layout sends the
+        fingerprints that differ): under FSDP2 every rank's are rank 0's, and rank 0 plans N
+        ranks from one list."""
         table, rest, own, rests = self._split(specs)
         self._solo = [list(s[:7]) + [None] for s in specs if _solo_of(s) and _writes(s)]
         first, (ref_own, ref_rest, ref_digests) = rank == 0, self._ref
