@@ -499,6 +499,53 @@ def test_a_restart_at_another_world_size_reads_the_indexes_its_rows_are_in(tmp_p
         assert_same(want, got)
 
 
+def _hsdp(rank, world, root, save):
+    """HSDP-style DTensors on a 2 x 2 mesh (replicas x shards: ``Replicate, Shard(0)``):
+    saved with per-rank indexes, or loaded at the same world size into fresh tensors; (the
+    full tensors, the index files this rank read)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, zeros
+
+    from fastckpt.storage.local import LocalStorage
+    mesh = init_device_mesh("cpu", (2, world // 2))
+    place = [Replicate(), Shard(0)]
+    if save:
+        state = {f"w{i}": distribute_tensor(torch.arange(24.0).reshape(6, 4) + i, mesh, place)
+                 for i in range(12)}
+        with fastckpt.Checkpointer(root, rank_indexes=1) as ck:
+            ck.save(state, step=1, block=True)
+        return {k: v.full_tensor() for k, v in state.items()}, []
+    read = []
+    real = LocalStorage.read_bytes
+
+    def spy(self, path, *a, **k):
+        if path.endswith(idx.INDEX_SUFFIX):
+            read.append(os.path.basename(path))
+        return real(self, path, *a, **k)
+    LocalStorage.read_bytes = spy
+    try:
+        state = {f"w{i}": zeros((6, 4), device_mesh=mesh, placements=place) for i in range(12)}
+        fastckpt.load(state, root)
+    finally:
+        LocalStorage.read_bytes = real
+    return {k: v.full_tensor() for k, v in state.items()}, read
+
+
+def test_hsdp_replicas_at_the_saved_world_size_read_their_own_and_their_replicas_indexes(
+        tmp_path):
+    """A box replicated over a mesh dim is written by the replica its hash elects
+    (``plan._elect``), so the rank holding it with that replica reads that replica's index
+    too: its replica group's indexes ({0, 2} or {1, 3}), not every index. Bit-exact."""
+    root = str(tmp_path / "hsdp")
+    want = run(_hsdp, 4, root, True)[0][0]
+    save_id = _doc(root, 1)["body"]["save_id"]
+    for r, (got, read) in enumerate(run(_hsdp, 4, root, False)):
+        group = {r % 2, r % 2 + 2}  # (the rank and its replica: the mesh is [[0, 1], [2, 3]])
+        assert sorted(read) == sorted(idx.index_name(k, save_id) for k in group), (r, read)
+        for k, v in want.items():
+            assert torch.equal(got[k], v), (r, k)
+
+
 def test_a_wrong_index_guess_falls_back_to_every_index(tmp_path, caplog):
     """The guess is checked: told to read saving rank 0's index alone, a loading rank whose rows
     are elsewhere finds its boxes not covered, reads every index and loads bit-exact."""

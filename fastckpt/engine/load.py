@@ -106,7 +106,8 @@ class _ReadEveryIndex(Exception):
 class IndexSelector:
     """(read_manifest's ``own``) Which saving ranks' chunk indexes this rank reads first, from
     the manifest's body without chunks: at the saved world size its own (its shards of every
-    DTensor and its per-rank values are there, the replicated values inline); at another
+    DTensor and its per-rank values are there, the replicated values inline) and those of the
+    replicas elected to write its replicated DTensor boxes (:meth:`_electors`); at another
     world size (a restart on fewer or more nodes) the ranks whose even split of each DTensor
     it meets (``index.writers_of``: ~N/M + 1 indexes of N), or every index when a box cannot
     be placed (a whole tensor that is not inline, a DTensor sharded on two dims, a layout
@@ -117,24 +118,62 @@ class IndexSelector:
         self._seen: dict[str, frozenset | None] = {}
 
     def __call__(self, body: dict) -> frozenset | None:
-        if body["world_size"] == self.world:
-            return frozenset({self.rank})
         key = body["save_id"]
         if key not in self._seen:
             try:
-                boxes = self._boxes(body)
+                if body["world_size"] == self.world:
+                    self._seen[key] = frozenset({self.rank}) | self._electors(body)
+                else:
+                    boxes = self._boxes(body)
+                    self._seen[key] = None if boxes is None else writers_of(body, boxes)
             except Exception as e:  # noqa: BLE001 - the full read names what is wrong
                 log.debug("fastckpt: rank %d: no index selection (%s)", self.rank, e)
-                boxes = None
-            self._seen[key] = None if boxes is None else writers_of(body, boxes)
+                self._seen[key] = (frozenset({self.rank}) if body["world_size"] == self.world
+                                   else None)
         return self._seen[key]
+
+    def _electors(self, body: dict) -> frozenset:
+        """(at the saved world size) The replicas that wrote the boxes this rank holds with
+        them: a DTensor box replicated over ``Replicate`` mesh dims (HSDP, TP's norms) is
+        written by the replica ``plan._elect`` picks, so it is in that rank's index, not this
+        one's. Only when the state has such a DTensor (else no planning at all)."""
+        from .plan import _elect, _solo
+        targets = self._targets(body, any_replicated=True)
+        out: set[int] = set()
+        meshes: dict = {}
+        for fqn, t in targets.items():
+            if not is_dtensor(t) or not any(p.is_replicate() for p in t.placements):
+                continue
+            box = _box(t)
+            solo, replicas, mine = _solo(t, self.world, meshes)
+            if box is None or solo is None or replicas < 2 or not math.prod(box[1]):
+                continue
+            pick = _elect(fqn, box[0], replicas)
+            if pick != mine:
+                mesh = t.device_mesh
+                at, shape = list(mesh.get_coordinate()), tuple(mesh.mesh.shape)
+                for d in reversed(range(len(shape))):  # (mixed radix, as _solo counts)
+                    if t.placements[d].is_replicate():
+                        pick, at[d] = divmod(pick, shape[d])
+                out.add(int(mesh.mesh[tuple(at)].item()))
+        return frozenset(out)
+
+    def _targets(self, body: dict, any_replicated: bool = False) -> dict:
+        """The tensors this rank loads (planned without allocating); with ``any_replicated``,
+        {} unless the state holds a DTensor with a ``Replicate`` placement."""
+        if any_replicated:
+            from .state import flatten
+            if not any(is_dtensor(t) and any(p.is_replicate() for p in t.placements)
+                       for t in flatten(self.state).tensors.values()):
+                return {}
+        tree = fmt.tree_for_rank(body, self.rank, self.world, file=fmt.MANIFEST)
+        meta = tensor_meta(body, file=fmt.MANIFEST)
+        return plan_load(self.state, tree, meta, strict=self.strict, alloc=_dry_alloc).targets
 
     def _boxes(self, body: dict) -> dict | None:
         """fqn -> (offsets, sizes, the dim the destination is sharded on, or None) of every
         tensor this rank loads; None where a DTensor's layout is one we do not know."""
-        tree = fmt.tree_for_rank(body, self.rank, self.world, file=fmt.MANIFEST)
-        meta = tensor_meta(body, file=fmt.MANIFEST)
-        targets = plan_load(self.state, tree, meta, strict=self.strict, alloc=_dry_alloc).targets
+        targets = self._targets(body)
         boxes: dict[str, tuple] = {}
         for fqn, t in targets.items():
             if not isinstance(t, torch.Tensor):

@@ -376,8 +376,9 @@ class Writer:
                                      torch_version=_torch_version())
         if indexes:
             body["indexes"] = indexes
-            if inline:  # (older readers ignore it and read every index)
-                body["inline"] = inline
+            # (older readers ignore it and read every index; empty, it still tells a reader
+            # that a rank's own index holds what it wrote: a state of DTensors alone)
+            body["inline"] = inline
         if self.lease is not None:  # nobody took the root over since the save began
             self.lease.check()
         # indexes: version 4; compressed chunks: 3 (an older reader would take their bytes as
