@@ -106,8 +106,9 @@ class _ReadEveryIndex(Exception):
 class IndexSelector:
     """(read_manifest's ``own``) Which saving ranks' chunk indexes this rank reads first, from
     the manifest's body without chunks: at the saved world size its own (its shards of every
-    DTensor and its per-rank values are there, the replicated values inline) and those of the
-    replicas elected to write its replicated DTensor boxes (:meth:`_electors`); at another
+    DTensor and its per-rank values are there, the replicated values inline), and when those
+    do not cover its boxes, with those of the replicas elected to write its replicated DTensor
+    boxes (``more``, :func:`electors`); at another
     world size (a restart on fewer or more nodes) the ranks whose even split of each DTensor
     it meets (``index.writers_of``: ~N/M + 1 indexes of N), or every index when a box cannot
     be placed (a whole tensor that is not inline, a DTensor sharded on two dims, a layout
@@ -116,56 +117,24 @@ class IndexSelector:
     def __init__(self, state: dict, rank: int, world: int, strict: bool) -> None:
         self.state, self.rank, self.world, self.strict = state, rank, world, strict
         self._seen: dict[str, frozenset | None] = {}
+        #: (at the saved world size) the other ranks whose indexes to read too (``electors``)
+        self.more: frozenset = frozenset()
 
     def __call__(self, body: dict) -> frozenset | None:
+        if body["world_size"] == self.world:
+            return frozenset({self.rank}) | self.more
         key = body["save_id"]
         if key not in self._seen:
             try:
-                if body["world_size"] == self.world:
-                    self._seen[key] = frozenset({self.rank}) | self._electors(body)
-                else:
-                    boxes = self._boxes(body)
-                    self._seen[key] = None if boxes is None else writers_of(body, boxes)
+                boxes = self._boxes(body)
             except Exception as e:  # noqa: BLE001 - the full read names what is wrong
                 log.debug("fastckpt: rank %d: no index selection (%s)", self.rank, e)
-                self._seen[key] = (frozenset({self.rank}) if body["world_size"] == self.world
-                                   else None)
+                boxes = None
+            self._seen[key] = None if boxes is None else writers_of(body, boxes)
         return self._seen[key]
 
-    def _electors(self, body: dict) -> frozenset:
-        """(at the saved world size) The replicas that wrote the boxes this rank holds with
-        them: a DTensor box replicated over ``Replicate`` mesh dims (HSDP, TP's norms) is
-        written by the replica ``plan._elect`` picks, so it is in that rank's index, not this
-        one's. Only when the state has such a DTensor (else no planning at all)."""
-        from .plan import _elect, _solo
-        targets = self._targets(body, any_replicated=True)
-        out: set[int] = set()
-        meshes: dict = {}
-        for fqn, t in targets.items():
-            if not is_dtensor(t) or not any(p.is_replicate() for p in t.placements):
-                continue
-            box = _box(t)
-            solo, replicas, mine = _solo(t, self.world, meshes)
-            if box is None or solo is None or replicas < 2 or not math.prod(box[1]):
-                continue
-            pick = _elect(fqn, box[0], replicas)
-            if pick != mine:
-                mesh = t.device_mesh
-                at, shape = list(mesh.get_coordinate()), tuple(mesh.mesh.shape)
-                for d in reversed(range(len(shape))):  # (mixed radix, as _solo counts)
-                    if t.placements[d].is_replicate():
-                        pick, at[d] = divmod(pick, shape[d])
-                out.add(int(mesh.mesh[tuple(at)].item()))
-        return frozenset(out)
-
-    def _targets(self, body: dict, any_replicated: bool = False) -> dict:
-        """The tensors this rank loads (planned without allocating); with ``any_replicated``,
-        {} unless the state holds a DTensor with a ``Replicate`` placement."""
-        if any_replicated:
-            from .state import flatten
-            if not any(is_dtensor(t) and any(p.is_replicate() for p in t.placements)
-                       for t in flatten(self.state).tensors.values()):
-                return {}
+    def _targets(self, body: dict) -> dict:
+        """The tensors this rank loads (planned without allocating)."""
         tree = fmt.tree_for_rank(body, self.rank, self.world, file=fmt.MANIFEST)
         meta = tensor_meta(body, file=fmt.MANIFEST)
         return plan_load(self.state, tree, meta, strict=self.strict, alloc=_dry_alloc).targets
@@ -186,6 +155,32 @@ class IndexSelector:
         return boxes
 
 
+def electors(targets: dict, rank: int, world: int) -> frozenset:
+    """(at the saved world size) The other ranks that wrote boxes this rank loads into
+    ``targets``' DTensors: a box replicated over ``Replicate`` mesh dims (HSDP, TP's norms)
+    is written by the replica the save's ``plan._elect`` picked, so it is in that rank's
+    index, not this one's (empty when the state has no such DTensor)."""
+    from .plan import _elect, _solo
+    out: set[int] = set()
+    meshes: dict = {}
+    for fqn, t in targets.items():
+        if not is_dtensor(t) or not any(p.is_replicate() for p in t.placements):
+            continue
+        box = _box(t)
+        solo, replicas, mine = _solo(t, world, meshes)
+        if box is None or solo is None or replicas < 2 or not math.prod(box[1]):
+            continue
+        pick = _elect(fqn, box[0], replicas)
+        if pick != mine:
+            mesh = t.device_mesh
+            at, shape = list(mesh.get_coordinate()), tuple(mesh.mesh.shape)
+            for d in reversed(range(len(shape))):  # (mixed radix, as _solo counts)
+                if t.placements[d].is_replicate():
+                    pick, at[d] = divmod(pick, shape[d])
+            out.add(int(mesh.mesh[tuple(at)].item()))
+    return frozenset(out) - {rank}
+
+
 def _box(t: torch.Tensor) -> tuple[tuple, tuple] | None:
     """(offsets, sizes) of the box of the global tensor this rank loads into ``t``: its local
     shard of a DTensor, a whole regular tensor; None for a DTensor layout we do not know."""
@@ -199,13 +194,16 @@ def _box(t: torch.Tensor) -> tuple[tuple, tuple] | None:
 
 
 def _prepare(storage: Storage, state: dict | None, step: int | None, *, verify: bool,
-             strict: bool, rank: int, world: int, own: bool) -> tuple:
+             strict: bool, rank: int, world: int, own: bool,
+             sel: IndexSelector | None = None) -> tuple:
     """(this rank) Find the step, check its files, plan the destinations: (step, reader,
     plan, state). ``own``: of an indexed step, read the manifest and the indexes
     ``IndexSelector`` names (at the saved world size this rank's own); if the chunks they
     hold do not cover every box this rank loads (another sharding), read the step again with
     every index."""
-    sel = IndexSelector(state, rank, world, strict) if own and state is not None else None
+    if own and state is not None and sel is None:
+        sel = IndexSelector(state, rank, world, strict)
+    sel = sel if own and state is not None else None
     found_step, d, body = find_step(storage, step, own=sel)
     partial = sel is not None and is_partial(body, sel)
     mpath = f"{d}/{fmt.MANIFEST}"
@@ -216,8 +214,15 @@ def _prepare(storage: Storage, state: dict | None, step: int | None, *, verify: 
     reader.check_per_rank()
     # (plan_load makes no collective call: a rank may plan twice, or on another step than
     # its peers, before the agreement that follows)
-    if partial and state is not None and not _covered(
-            reader, plan_load(state, tree, meta, strict=strict, alloc=_dry_alloc).targets):
+    targets = (plan_load(state, tree, meta, strict=strict, alloc=_dry_alloc).targets
+               if partial and state is not None else None)
+    if targets is not None and not _covered(reader, targets):
+        more = (electors(targets, rank, world) if body["world_size"] == world
+                and not sel.more else frozenset())
+        if more:  # the replicas that wrote its replicated boxes: their indexes, not every one
+            sel.more = more
+            return _prepare(storage, state, found_step, verify=verify, strict=strict,
+                            rank=rank, world=world, own=True, sel=sel)
         log.info("fastckpt: step %d: the chunk indexes rank %d read first (of saving ranks %s) "
                  "do not hold every box it loads; reading every rank's index", found_step,
                  rank, sorted(sel(body) or ()))
