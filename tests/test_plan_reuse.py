@@ -484,3 +484,26 @@ def test_real_fsdp2_shards_stay_on_their_ranks_and_load_back(tmp_path, indexed):
     assert boxes == {"extra.tiny": [(0,), (1,), (2,)], "extra.none": [(0, 0)],
                      "extra.rep": [(0, 0), (2, 0)],
                      "extra.grid": [(0, 0), (0, 2), (2, 0), (2, 2)]}, boxes
+
+
+@pytest.mark.parametrize("alike", [True, False])
+def test_replicas_write_each_box_once_and_balance_by_bytes_when_their_tables_agree(alike):
+    """``solo.written`` on each of R replicas of a group of boxes: every box is written by
+    exactly one replica, by the greedy (balanced by bytes) when every rank's table was rank
+    0's, else by the hash alone (``solo.elect``: each box decided alone, whatever the others
+    hold)."""
+    from fastckpt.engine.solo import elect, written
+    rng = random.Random(3)
+    boxes = [(f"t{i}", (8 * i, 0), rng.choice([4, 64, 4096, 1 << 20])) for i in range(60)]
+    for replicas in (2, 3, 8):
+        got = []
+        for place in range(replicas):
+            specs = [(fqn, "float32", (999, 4), offs, (8, 4), nb, True, None, "mesh",
+                      elect(fqn, offs, replicas) == place, (replicas, place))
+                     for fqn, offs, nb in boxes]
+            got.append(written(specs, alike))
+        keys = sorted((r[0], tuple(r[3])) for rows in got for r in rows)
+        assert keys == sorted((fqn, offs) for fqn, offs, _ in boxes), replicas
+        load = [sum(r[5] for r in rows) for rows in got]
+        if alike:  # (largest first to the least loaded: within the largest box of the mean)
+            assert max(load) - min(load) <= 1 << 20, (replicas, load)

@@ -533,8 +533,8 @@ def _hsdp(rank, world, root, save):
 
 def test_hsdp_replicas_at_the_saved_world_size_read_their_own_and_their_replicas_indexes(
         tmp_path):
-    """A box replicated over a mesh dim is written by the replica its hash elects
-    (``plan._elect``), so the rank holding it with that replica, its own index not covering
+    """A box replicated over a mesh dim is written by the replica its replicas elect
+    (``solo.written``), so the rank holding it with that replica, its own index not covering
     it, reads that replica's index next: its replica group's indexes ({0, 2} or {1, 3}), not
     every index. Bit-exact."""
     root = str(tmp_path / "hsdp")

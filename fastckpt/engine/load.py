@@ -156,28 +156,27 @@ class IndexSelector:
 
 
 def electors(targets: dict, rank: int, world: int) -> frozenset:
-    """(at the saved world size) The other ranks that wrote boxes this rank loads into
-    ``targets``' DTensors: a box replicated over ``Replicate`` mesh dims (HSDP, TP's norms)
-    is written by the replica the save's ``plan._elect`` picked, so it is in that rank's
-    index, not this one's (empty when the state has no such DTensor)."""
-    from .plan import _elect, _solo
+    """(at the saved world size) The other ranks that may have written boxes this rank loads
+    into ``targets``' DTensors: a box replicated over ``Replicate`` mesh dims (HSDP, TP's
+    norms) is written by one of its replicas (``solo.written``), so it is in that rank's
+    index, not this one's: the replicas of each such DTensor (R - 1 ranks per mesh and
+    placements; empty when the state has no such DTensor)."""
+    from .solo import holders
     out: set[int] = set()
     meshes: dict = {}
-    for fqn, t in targets.items():
+    for t in targets.values():
         if not is_dtensor(t) or not any(p.is_replicate() for p in t.placements):
             continue
         box = _box(t)
-        solo, replicas, mine = _solo(t, world, meshes)
+        solo, replicas, _ = holders(t, world, meshes)
         if box is None or solo is None or replicas < 2 or not math.prod(box[1]):
             continue
-        pick = _elect(fqn, box[0], replicas)
-        if pick != mine:
-            mesh = t.device_mesh
-            at, shape = list(mesh.get_coordinate()), tuple(mesh.mesh.shape)
-            for d in reversed(range(len(shape))):  # (mixed radix, as _solo counts)
-                if t.placements[d].is_replicate():
-                    pick, at[d] = divmod(pick, shape[d])
-            out.add(int(mesh.mesh[tuple(at)].item()))
+        mesh = t.device_mesh
+        ranks = mesh.mesh
+        for d, p in enumerate(t.placements):  # the other coordinates fixed: the replicas
+            if not p.is_replicate():
+                ranks = ranks.narrow(d, mesh.get_coordinate()[d], 1)
+        out.update(int(r) for r in ranks.flatten().tolist())
     return frozenset(out) - {rank}
 
 

@@ -30,6 +30,7 @@ import torch
 from ..errors import UnsupportedStateError
 from ..storage.pyio import _raw_view
 from .dtypes import dtype_name
+from .solo import elect, holders, solo_of, written, writes
 from .state import is_dtensor
 
 
@@ -47,8 +48,11 @@ class ChunkSpec:
     #: a DTensor box whose holders follow from its mesh (the whole world) and placements
     #: (shards and replicas, the tensor not empty): their hash; not sent to rank 0 (make_plans)
     solo: str | None = None
-    #: (solo) this rank writes it: not empty, and elected among its replicas (:func:`_elect`)
+    #: (solo) this rank writes it: not empty, and elected among its replicas by a hash
+    #: (:func:`solo.elect`, when the ranks' tables differ; else :func:`solo.written`)
     writes: bool = True
+    #: (solo, replicated) (its replicas R, this rank's place among them)
+    replicas: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -133,51 +137,15 @@ def local_chunks(tensors: dict[str, torch.Tensor], *, digests: bool = False, wor
             local = local.resolve_conj().resolve_neg()
         nbytes = local.numel() * local.element_size()
         dig = digest(local) if digests and not is_dtensor(t) else None
-        solo, writes = None, True
+        solo, elected, group = None, True, ()
         if world > 1 and is_dtensor(t) and t.numel():
-            solo, replicas, mine = _solo(t, world, meshes)
-            writes = bool(nbytes) and (replicas == 1 or _elect(fqn, offsets, replicas) == mine)
+            solo, replicas, place = holders(t, world, meshes)
+            elected = bool(nbytes) and (replicas == 1 or elect(fqn, offsets, replicas) == place)
+            group = (replicas, place) if replicas > 1 else ()
         specs.append(ChunkSpec(fqn, dtype, shape, offsets, sizes, nbytes, is_dtensor(t), dig,
-                               solo, writes))
+                               solo, elected, group))
         data[(fqn, offsets)] = local
     return specs, data
-
-
-def _solo(t: torch.Tensor, world: int, meshes: dict) -> tuple:
-    """(the hash of a DTensor's mesh and placements, its replicas R, this rank's place among
-    them) when the holders of its local box follow from them alone: every placement a
-    ``Shard`` (or FSDP2's ``_StridedShard``) or a ``Replicate`` (not ``Partial``), over a mesh
-    of all ``world`` ranks. The box is then held by this rank alone (R = 1) or by the R ranks
-    with its coordinates on the other mesh dims, which elect its writer (:func:`_elect`)
-    without an exchange; an empty box (uneven shards: several ranks can hold the same one) by
-    nobody, the non-empty boxes cover the tensor. Else (None, 0, 0)."""
-    from torch.distributed.tensor.placement_types import Replicate, Shard
-    try:
-        from torch.distributed.tensor.placement_types import _StridedShard as Strided
-    except ImportError:  # (an older torch)
-        Strided = Shard
-    mesh = t.device_mesh
-    key = (id(mesh), tuple(t.placements))
-    if key not in meshes:
-        meshes[key] = (None, 0, 0)
-        if mesh.size() == world and all(isinstance(p, (Shard, Strided, Replicate))
-                                        for p in t.placements):
-            import xxhash
-            where, shape = mesh.get_coordinate(), tuple(mesh.mesh.shape)
-            replicas, mine = 1, 0
-            for d, p in enumerate(t.placements):
-                if isinstance(p, Replicate):
-                    replicas, mine = replicas * shape[d], mine * shape[d] + where[d]
-            meshes[key] = (xxhash.xxh3_64_hexdigest(repr(
-                (mesh.mesh.tolist(), [repr(p) for p in t.placements])).encode()), replicas, mine)
-    return meshes[key]
-
-
-def _elect(fqn: str, offsets: tuple, replicas: int) -> int:
-    """Which of a box's ``replicas`` writes it: a hash of the box, the same on every replica
-    (each decides alone; balanced over many boxes, not by bytes as rank 0's plan is)."""
-    import xxhash
-    return xxhash.xxh3_64_intdigest(repr((fqn, tuple(offsets))).encode()) % replicas
 
 
 def make_plans(values: list[dict], step: int) -> tuple[list[list], SavePlan]:
@@ -327,16 +295,6 @@ def layout_hash(specs: list) -> str:
     return xxhash.xxh3_128_hexdigest(json.dumps([list(s[:7]) for s in specs]).encode())
 
 
-def _solo_of(s: tuple) -> str | None:
-    """A spec's ``solo`` (specs from before it, or built by hand, have 8 fields)."""
-    return s[8] if len(s) > 8 else None
-
-
-def _writes(s: tuple) -> bool:
-    """Whether this rank writes a solo box (by hand: every non-empty one)."""
-    return bool(s[5]) and (s[9] if len(s) > 9 else True)
-
-
 def _merge(rows: list, solo: list) -> list:
     """The rows rank 0 assigned a rank and the rows of the chunks it alone holds, in key order
     (the order :func:`make_plans` gives)."""
@@ -364,6 +322,11 @@ class _Reusable:
     #: the values carry one hash of the watched fingerprints (every shared replicated tensor's
     #: holders are one group), else every regular tensor's fingerprint
     compact: bool
+
+
+def _alike(values: list[dict]) -> bool:
+    """Whether every rank's table of solo boxes was rank 0's (sent as None)."""
+    return all(v.get("own", ()) is None for v in values[1:])
 
 
 def _same_tree(values: list[dict]) -> bool:
@@ -420,7 +383,7 @@ class PlanExchange:
     def _hash(self, specs: list) -> str:
         """This rank's layout hash, computed again only when the layout changed (comparing
         the tuples is C work; the hash is JSON + xxh3: ~10 ms for the 70B state's 2892)."""
-        layout = tuple(tuple(s[:7]) + (_solo_of(s),) for s in specs)
+        layout = tuple(tuple(s[:7]) + (solo_of(s),) for s in specs)
         if layout != self._layout[0]:
             self._layout = (layout, layout_hash(specs) if specs else "", None)
         return self._layout[1]
@@ -430,8 +393,8 @@ class PlanExchange:
         list of the others (with their fingerprints), and the hash of the table and of the
         list's layout (without the fingerprints)."""
         self._hash(specs)
-        table = [[s[0], s[1], s[2], s[8]] for s in specs if _solo_of(s)]
-        rest = [s[:8] for s in specs if not _solo_of(s)]
+        table = [[s[0], s[1], s[2], s[8]] for s in specs if solo_of(s)]
+        rest = [s[:8] for s in specs if not solo_of(s)]
         if self._layout[2] is None:  # (both change with the layout only)
             self._layout = (*self._layout[:2], (_joint_hash(table), layout_hash(rest)))
         return table, rest, *self._layout[2]
@@ -460,11 +423,11 @@ class PlanExchange:
         fingerprints that differ): under FSDP2 every rank's are rank 0's, and rank 0 plans N
         ranks from one list."""
         table, rest, own, rests = self._split(specs)
-        self._solo = [list(s[:7]) + [None] for s in specs if _solo_of(s) and _writes(s)]
+        self._solo = [s for s in specs if solo_of(s)]  # (which it writes: take decides)
         first, (ref_own, ref_rest, ref_digests) = rank == 0, self._ref
         out = {"save_id": save_id, "hash": self._hash(specs),
                "own": None if not first and own == ref_own else table,
-               "own_bytes": sum(s[5] for s in specs if _solo_of(s) and _writes(s)),
+               "own_bytes": sum(s[5] for s in specs if solo_of(s) and writes(s)),
                "specs": rest, **extra}
         if not first and rests == ref_rest and len(rest) == len(ref_digests or ()):
             # rank 0's list but for some fingerprints (a per-rank RNG state): those alone
@@ -481,7 +444,8 @@ class PlanExchange:
         else:
             plan = SavePlan(save_id=common["save_id"], step=step,
                             world_size=common["world_size"],
-                            my_chunks=_chunk_specs(_merge(part["chunks"], self._solo)),
+                            my_chunks=_chunk_specs(_merge(
+                                part["chunks"], written(self._solo, common.get("alike", False)))),
                             tensors={}, format_version=common["format_version"],
                             indexed=common.get("indexed", False),
                             same_tree=common.get("same_tree", False))
@@ -540,13 +504,14 @@ class PlanExchange:
         rows, plan = make_plans(values, step)
         plan = dataclasses.replace(plan, indexed=self._indexed(len(values)),
                                    same_tree=_same_tree(values),
-                                   my_chunks=_chunk_specs(_merge(rows[0], self._solo)))
+                                   my_chunks=_chunk_specs(_merge(rows[0], written(
+                                       self._solo, _alike(values)))))
         last = self._reusable(values, plan)
         self._made = (plan, last)
         common = {"save_id": plan.save_id, "format_version": plan.format_version,
                   "world_size": plan.world_size, "compact": last.compact,
                   "indexed": plan.indexed, "same_tree": plan.same_tree,
-                  "mine": last.watch[0][0]}
+                  "mine": last.watch[0][0], "alike": _alike(values)}
         # (a rank whose list is rank 0's watches the same places: the common part has them)
         return common, [{"chunks": rows[r]} if last.watch[r] is last.watch[0] else
                         {"chunks": rows[r], "mine": last.watch[r][0]}

@@ -1,0 +1,82 @@
+"""Which DTensor boxes a rank writes without asking rank 0 (``ChunkSpec.solo``).
+
+A box whose holders follow from its mesh (all the saving ranks) and placements (shards and
+replicas) is not sent to rank 0 in a first save's plan exchange (fastckpt/engine/plan.py): a
+box one rank holds is written by it, a box R replicas hold by one of them, chosen the same way
+on each replica without an exchange (:func:`written`), an empty box by nobody.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def holders(t: torch.Tensor, world: int, meshes: dict) -> tuple:
+    """(the hash of a DTensor's mesh and placements, its replicas R, this rank's place among
+    them) when the holders of its local box follow from them alone: every placement a
+    ``Shard`` (or FSDP2's ``_StridedShard``) or a ``Replicate`` (not ``Partial``), over a mesh
+    of all ``world`` ranks. The box is then held by this rank alone (R = 1) or by the R ranks
+    with its coordinates on the other mesh dims, which elect its writer (:func:`elect`)
+    without an exchange; an empty box (uneven shards: several ranks can hold the same one) by
+    nobody, the non-empty boxes cover the tensor. Else (None, 0, 0)."""
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard as Strided
+    except ImportError:  # (an older torch)
+        Strided = Shard
+    mesh = t.device_mesh
+    key = (id(mesh), tuple(t.placements))
+    if key not in meshes:
+        meshes[key] = (None, 0, 0)
+        if mesh.size() == world and all(isinstance(p, (Shard, Strided, Replicate))
+                                        for p in t.placements):
+            import xxhash
+            where, shape = mesh.get_coordinate(), tuple(mesh.mesh.shape)
+            replicas, mine = 1, 0
+            for d, p in enumerate(t.placements):
+                if isinstance(p, Replicate):
+                    replicas, mine = replicas * shape[d], mine * shape[d] + where[d]
+            meshes[key] = (xxhash.xxh3_64_hexdigest(repr(
+                (mesh.mesh.tolist(), [repr(p) for p in t.placements])).encode()), replicas, mine)
+    return meshes[key]
+
+
+def elect(fqn: str, offsets: tuple, replicas: int) -> int:
+    """Which of a box's ``replicas`` writes it: a hash of the box, the same on every replica
+    (each decides alone; balanced over many boxes, not by bytes as rank 0's plan is)."""
+    import xxhash
+    return xxhash.xxh3_64_intdigest(repr((fqn, tuple(offsets))).encode()) % replicas
+
+
+def solo_of(s: tuple) -> str | None:
+    """A spec's ``solo`` (specs from before it, or built by hand, have 8 fields)."""
+    return s[8] if len(s) > 8 else None
+
+
+def writes(s: tuple) -> bool:
+    """Whether this rank writes a solo box by the hash election (by hand: every non-empty
+    one)."""
+    return bool(s[5]) and (s[9] if len(s) > 9 else True)
+
+
+def written(specs: list, alike: bool) -> list:
+    """The rows of the solo boxes this rank writes. A box its replicas hold: when every
+    rank's table was rank 0's (``alike``: each replica group holds the same boxes), the
+    replica a greedy gives it, largest boxes first to the least-loaded replica, computed the
+    same on each replica (balanced by bytes: the hash alone left a replica 1.23x the mean at 8
+    x 8 HSDP of the 70B state); else the hash's (:func:`elect`, each box alone)."""
+    rows, groups = [], {}
+    for s in specs:
+        group = s[10] if len(s) > 10 else ()
+        if alike and group and s[5]:
+            groups.setdefault((s[8], *group), []).append(s)
+        elif writes(s):
+            rows.append(s)
+    for (_, replicas, mine), boxes in groups.items():
+        load = [0] * replicas
+        for s in sorted(boxes, key=lambda s: (-s[5], s[0], tuple(s[3]))):
+            pick = min(range(replicas), key=lambda k: (load[k], k))
+            load[pick] += s[5]
+            if pick == mine:
+                rows.append(s)
+    return [list(s[:7]) + [None] for s in rows]
