@@ -9,6 +9,7 @@ hashes agree at the plan exchange) reach the coordinator from rank 0 alone."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -420,9 +421,9 @@ def _load_data(rank, world, root, per_rank_value):
 
 # ------------------------------------------------------- a rank reads its own index only
 
-def _load_reading(rank, world, root, plain=False, step=None):
-    """Load ``root`` into a fresh FSDP2 (or, ``plain``, an unsharded) model + Adam; (the step
-    loaded, the state, the index files this rank read)."""
+@contextlib.contextmanager
+def _index_reads():
+    """The names of the chunk index files read from local storage while inside, in order."""
     from fastckpt.storage.local import LocalStorage
     read = []
     real = LocalStorage.read_bytes
@@ -433,12 +434,19 @@ def _load_reading(rank, world, root, plain=False, step=None):
         return real(self, path, *a, **k)
     LocalStorage.read_bytes = spy
     try:
+        yield read
+    finally:
+        LocalStorage.read_bytes = real
+
+
+def _load_reading(rank, world, root, plain=False, step=None):
+    """Load ``root`` into a fresh FSDP2 (or, ``plain``, an unsharded) model + Adam; (the step
+    loaded, the state, the index files this rank read)."""
+    with _index_reads() as read:
         m = mlp(7) if plain else fsdp_mlp(7)
         opt = torch.optim.Adam(m.parameters(), lr=1e-2)
         state = {"model": m, "optim": opt, "step": 0}
         got = fastckpt.load(state, root, step=step)
-    finally:
-        LocalStorage.read_bytes = real
     return got, full_state(m, opt), read
 
 
@@ -506,7 +514,6 @@ def _hsdp(rank, world, root, save):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor, zeros
 
-    from fastckpt.storage.local import LocalStorage
     mesh = init_device_mesh("cpu", (2, world // 2))
     place = [Replicate(), Shard(0)]
     if save:
@@ -515,19 +522,9 @@ def _hsdp(rank, world, root, save):
         with fastckpt.Checkpointer(root, rank_indexes=1) as ck:
             ck.save(state, step=1, block=True)
         return {k: v.full_tensor() for k, v in state.items()}, []
-    read = []
-    real = LocalStorage.read_bytes
-
-    def spy(self, path, *a, **k):
-        if path.endswith(idx.INDEX_SUFFIX):
-            read.append(os.path.basename(path))
-        return real(self, path, *a, **k)
-    LocalStorage.read_bytes = spy
-    try:
+    with _index_reads() as read:
         state = {f"w{i}": zeros((6, 4), device_mesh=mesh, placements=place) for i in range(12)}
         fastckpt.load(state, root)
-    finally:
-        LocalStorage.read_bytes = real
     return {k: v.full_tensor() for k, v in state.items()}, read
 
 
