@@ -507,3 +507,60 @@ def test_replicas_write_each_box_once_and_balance_by_bytes_when_their_tables_agr
         load = [sum(r[5] for r in rows) for rows in got]
         if alike:  # (largest first to the least loaded: within the largest box of the mean)
             assert max(load) - min(load) <= 1 << 20, (replicas, load)
+
+
+def _boxes(rank, world, root):
+    """``local_chunks`` computes a DTensor's box once per mesh, placements and global shape:
+    each box must still be torch's own, whatever the meshes (one of them with the ranks in
+    reverse order), placements and shapes the state mixes; a ``Partial`` DTensor is refused
+    naming it, and the last committed step survives."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from fastckpt.engine.plan import local_chunks
+    from fastckpt.errors import UnsupportedStateError
+    flat, grid = init_device_mesh("cpu", (world,)), init_device_mesh("cpu", (2, world // 2))
+    rev = DeviceMesh("cpu", list(range(world))[::-1])
+    full = torch.arange(40.0).reshape(10, 4)
+    layouts = {"a": (flat, [Shard(0)]), "a2": (flat, [Shard(1)]), "r": (rev, [Shard(0)]),
+               "b": (grid, [Shard(0), Shard(1)]), "c": (grid, [Replicate(), Shard(0)]),
+               "d": (grid, [Shard(0), Shard(0)]), "a_again": (flat, [Shard(0)])}
+    state = {k: distribute_tensor(full, m, p) for k, (m, p) in layouts.items()}
+    state["small"] = distribute_tensor(torch.arange(3.0), flat, [Shard(0)])  # rank 3: empty
+    state["small2"] = distribute_tensor(torch.arange(3.0) + 1, rev, [Shard(0)])
+    specs, data = local_chunks(state, world=world)
+    got = {s.fqn: (s.offsets, s.sizes) for s in specs}
+    want = {k: (tuple(c.offsets), tuple(c.sizes))
+            for k, t in state.items() for c in t.__create_chunk_list__()}
+    same_memory = all(data[(k, got[k][0])].data_ptr() == t.to_local().data_ptr()
+                      for k, t in state.items())
+    fastckpt.save({"w": state}, root, step=1)
+    bad = dict(state, p=DTensor.from_local(torch.ones(2), flat, [Partial()]))
+    try:
+        local_chunks(bad, world=world)
+        refused = None
+    except UnsupportedStateError as e:
+        refused = (e.key, str(e))
+    try:
+        fastckpt.save({"w": bad}, root, step=2)
+        saved = None
+    except UnsupportedStateError as e:
+        saved = str(e)
+    back = {k: torch.distributed.tensor.zeros(v.shape, device_mesh=v.device_mesh,
+                                              placements=v.placements)
+            for k, v in state.items()}
+    fastckpt.load({"w": back}, root)
+    loaded = all(torch.equal(back[k].to_local(), v.to_local()) for k, v in state.items())
+    return got, want, same_memory, refused, saved, fastckpt.latest_step(root), loaded
+
+
+def test_dtensor_boxes_computed_once_per_layout_are_torchs_and_partial_is_refused(tmp_path):
+    out = run(_boxes, 4, str(tmp_path / "ckpt"), env={"FASTCKPT_RANK_INDEXES": "none"})
+    for r, (got, want, same_memory, refused, saved, latest, loaded) in enumerate(out):
+        assert got == want and same_memory, (r, got, want)
+        assert refused[0] == "p" and "Partial" in refused[1], (r, refused)
+        assert saved is not None and "'w.p'" in saved and "Partial" in saved, (r, saved)
+        assert latest == 1 and loaded, r
+    # the reversed mesh gives other boxes than the flat one: a cache keyed without the mesh
+    # would have given "r" the flat mesh's
+    assert out[0][0]["r"] != out[0][0]["a"] and out[0][0]["small2"] != out[0][0]["small"]

@@ -168,7 +168,10 @@ def electors(targets: dict, rank: int, world: int) -> frozenset:
         if not is_dtensor(t) or not any(p.is_replicate() for p in t.placements):
             continue
         box = _box(t)
-        solo, replicas, _ = holders(t, world, meshes)
+        key = (id(t.device_mesh), tuple(t.placements))
+        if key not in meshes:
+            meshes[key] = holders(t, world)
+        solo, replicas, _ = meshes[key]
         if box is None or solo is None or replicas < 2 or not math.prod(box[1]):
             continue
         mesh = t.device_mesh

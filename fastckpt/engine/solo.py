@@ -11,34 +11,32 @@ from __future__ import annotations
 import torch
 
 
-def holders(t: torch.Tensor, world: int, meshes: dict) -> tuple:
+def holders(t: torch.Tensor, world: int) -> tuple:
     """(the hash of a DTensor's mesh and placements, its replicas R, this rank's place among
     them) when the holders of its local box follow from them alone: every placement a
     ``Shard`` (or FSDP2's ``_StridedShard``) or a ``Replicate`` (not ``Partial``), over a mesh
     of all ``world`` ranks. The box is then held by this rank alone (R = 1) or by the R ranks
     with its coordinates on the other mesh dims, which elect its writer (:func:`elect`)
     without an exchange; an empty box (uneven shards: several ranks can hold the same one) by
-    nobody, the non-empty boxes cover the tensor. Else (None, 0, 0)."""
+    nobody, the non-empty boxes cover the tensor. Else (None, 0, 0). The same for every
+    DTensor of a mesh and placements (:func:`plan.local_chunks` asks once for each)."""
     from torch.distributed.tensor.placement_types import Replicate, Shard
     try:
         from torch.distributed.tensor.placement_types import _StridedShard as Strided
     except ImportError:  # (an older torch)
         Strided = Shard
     mesh = t.device_mesh
-    key = (id(mesh), tuple(t.placements))
-    if key not in meshes:
-        meshes[key] = (None, 0, 0)
-        if mesh.size() == world and all(isinstance(p, (Shard, Strided, Replicate))
-                                        for p in t.placements):
-            import xxhash
-            where, shape = mesh.get_coordinate(), tuple(mesh.mesh.shape)
-            replicas, mine = 1, 0
-            for d, p in enumerate(t.placements):
-                if isinstance(p, Replicate):
-                    replicas, mine = replicas * shape[d], mine * shape[d] + where[d]
-            meshes[key] = (xxhash.xxh3_64_hexdigest(repr(
-                (mesh.mesh.tolist(), [repr(p) for p in t.placements])).encode()), replicas, mine)
-    return meshes[key]
+    if mesh.size() != world or not all(isinstance(p, (Shard, Strided, Replicate))
+                                       for p in t.placements):
+        return None, 0, 0
+    import xxhash
+    where, shape = mesh.get_coordinate(), tuple(mesh.mesh.shape)
+    replicas, mine = 1, 0
+    for d, p in enumerate(t.placements):
+        if isinstance(p, Replicate):
+            replicas, mine = replicas * shape[d], mine * shape[d] + where[d]
+    return (xxhash.xxh3_64_hexdigest(repr(
+        (mesh.mesh.tolist(), [repr(p) for p in t.placements])).encode()), replicas, mine)
 
 
 def elect(fqn: str, offsets: tuple, replicas: int) -> int:
