@@ -340,3 +340,20 @@ def test_fio_layouts_report_the_slowest_job_and_every_byte(tmp_path):
     assert all(os.path.getsize(tmp_path / f"b.dat.{i}") == size // 2 for i in (0, 1))
     assert 0 < two["runtime_s"] <= two["job_runtime_s"]
     assert one["runtime_s"] < one["wall_total_s"]  # its start-up is not counted
+
+
+def test_plan_step_benchmark_runs_the_real_marking_at_the_70b_geometry(tmp_path):
+    """``bench_plan_step.py`` at rank 5 of 8 (fake process group, meta tensors): every FSDP2
+    box is this rank's alone; under HSDP (2 replicas x 4 shards) the rank writes some of its
+    replicated boxes, not all, and not none."""
+    out = tmp_path / "plan-step.json"
+    r = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_plan_step.py"),
+                        "--world", "8", "--replicas", "2", "--reps", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    doc = json.load(open(out))
+    fsdp, hsdp = doc["layouts"]["fsdp"], doc["layouts"]["hsdp"]
+    assert fsdp["tensors"] == 2892 and fsdp["dtensors"] == 2169
+    assert fsdp["solo"] == fsdp["writes"] == 2169
+    assert hsdp["solo"] == 2169 and 0 < hsdp["writes"] < 2169, hsdp
+    assert all(v > 0 for v in fsdp["ms"].values()) and doc["git"]
