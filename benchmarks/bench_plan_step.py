@@ -2,7 +2,7 @@
 """The planning step's own cost on one rank: ``local_chunks`` over a 70B model + AdamW state.
 
 Every save (periodic or emergency, reused plan or not) starts on the training thread with
-``fastckpt.engine.plan.local_chunks``: each tensor's box of the global tensor, its bytes, the
+``fastckpt.engine.chunks.local_chunks``: each tensor's box of the global tensor, its bytes, the
 fingerprints of the regular tensors and, above one rank, the marking of the DTensor boxes the
 rank writes without rank 0 (``ChunkSpec.solo``). That time is part of the async stall.
 

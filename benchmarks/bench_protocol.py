@@ -287,20 +287,44 @@ def skeleton_tree() -> Any:
     return flat.skeleton
 
 
-def plan_entry(rank: int, world: int, tree: Any, solo: bool = False, rng: bool = False) -> dict:
+def stage_tensors(stage: int, pp: int) -> list[tuple[str, tuple]]:
+    """The 70B model's parameters a pipeline stage holds (torchtitan's split: the layers in
+    ``pp`` consecutive runs, the embedding on the first stage, the norm and the head on the
+    last; the full model's names kept)."""
+    if pp == 1:
+        return model_tensors()
+    layers = L70B["layers"]
+    lo, hi = stage * layers // pp, (stage + 1) * layers // pp
+    out = []
+    for fqn, shape in model_tensors():
+        if ".layers." in fqn:
+            if lo <= int(fqn.split(".layers.")[1].split(".")[0]) < hi:
+                out.append((fqn, shape))
+        elif ("embed_tokens" in fqn) == (stage == 0) and ("embed_tokens" in fqn
+                                                           or stage == pp - 1):
+            out.append((fqn, shape))
+    return out
+
+
+def plan_entry(rank: int, world: int, tree: Any, solo: bool = False, rng: bool = False,
+               pp: int = 1) -> dict:
     """Rank ``rank``'s value in the plan exchange (``Engine._plan``) for the 70B model + AdamW
     under FSDP2 over ``world`` ranks: every parameter and both moments a dim-0 ``Shard``
     DTensor (fp32: FSDP2 keeps fp32 sharded parameters, bf16 only for compute), ``step`` a
     regular 0-dim tensor (fingerprinted), in ``ChunkSpec`` field order; with ``solo`` each
     non-empty shard marked as ``local_chunks`` marks it (one mesh of the whole world), without
     it the specs as they were before 2026-12-05 (every chunk sent to rank 0); with ``rng``
-    also ``fastckpt.RNGState``'s torch generator state, different on every rank (per rank)."""
+    also ``fastckpt.RNGState``'s torch generator state, different on every rank (per rank).
+    With ``pp`` pipeline stages of consecutive ranks (``stage_tensors``), each stage's
+    tensors are sharded over its world / pp ranks on its own mesh (torchtitan's ``dp``)."""
     specs = []
+    size = world // pp
+    stage, world, rank = rank // size, size, rank % size
     if rng:
         specs.append(["rng.torch", "uint8", [5056], [0], [5056], 5056, False, f"{rank:016x}",
                       *[None] * solo])
-    mesh = ["3f81cb0f4a815fbb"] if solo else []
-    for fqn, shape in model_tensors():
+    mesh = [f"3f81cb0f4a815f{stage:02x}"] if solo else []
+    for fqn, shape in stage_tensors(stage, pp):
         d0 = shape[0]
         chunk = -(-d0 // world)
         lo = min(d0, rank * chunk)
@@ -320,22 +344,27 @@ def plan_entry(rank: int, world: int, tree: Any, solo: bool = False, rng: bool =
             "aliases": 0}
 
 
-def first_values(world: int, ranks: Any, tree: Any, rng: bool = False) -> list[dict]:
+def first_values(world: int, ranks: Any, tree: Any, rng: bool = False,
+                 pp: int = 1) -> list[dict]:
     """Each of ``ranks``' value in a first save's full plan exchange (``Engine._plan``), as the
     real ``PlanExchange`` makes it: rank 0's verdict carries the hashes of its table and list,
-    and a rank whose own are the same sends None for them (under FSDP2: every rank)."""
+    and a rank whose own are the same sends None for them (under FSDP2: every rank); under
+    ``pp`` stages the verdict (from every rank's first value, as the real one) names the first
+    rank of each other stage, which alone sends its stage's table and list."""
     from fastckpt.engine.plan import PlanExchange
-    zero = PlanExchange()
-    v0 = zero.value("0123456789ab", plan_entry(0, world, tree, True, rng)["specs"], error=None,
-                    aliases=0)
-    verdict = json.loads(json.dumps(zero.decide([v0])))
+    # (one stage: every other rank's first value names nothing rank 0's does not: its own
+    # alone gives the same verdict, without building every rank's entry in each worker)
+    voters = range(world) if pp > 1 else [0]
+    exs = {r: PlanExchange() for r in voters}
+    specs = {r: plan_entry(r, world, tree, True, rng, pp)["specs"] for r in voters}
+    values = [exs[r].value("0123456789ab", specs[r], error=None, aliases=0) for r in voters]
+    verdict = json.loads(json.dumps(exs[0].decide(json.loads(json.dumps(values)))))
     out = []
     for r in ranks:
-        ex = PlanExchange()
+        ex = exs.get(r) or PlanExchange()
         ex.apply(verdict, 1)
-        out.append(ex.full_value("0123456789ab",
-                                 plan_entry(r, world, tree, True, rng)["specs"], rank=r,
-                                 error=None, aliases=0))
+        mine = specs[r] if r in specs else plan_entry(r, world, tree, True, rng, pp)["specs"]
+        out.append(ex.full_value("0123456789ab", mine, rank=r, error=None, aliases=0))
     return out
 
 
@@ -1246,27 +1275,29 @@ def reuse_cost(n: int, gathered: list) -> dict:
 
 
 def assign_cost(worlds: list[int], old_max: int = 256, reps: int = 3,
-                rng: bool = False) -> dict:
+                rng: bool = False, pp: int = 1) -> dict:
     """Rank 0's side of a first save's full plan exchange with the 70B entries, alone (no
     store): ``json.loads`` of the N values as they arrive + the real ``PlanExchange.assign`` +
     encoding the N parts. ``now``: the values ``PlanExchange.full_value`` sends (the shards
     each rank alone holds stay with it; a table or list equal to rank 0's goes as None);
     ``all_lists`` (N <= ``old_max``): every rank's full chunk list, as before 2026-12-05,
     through the same code. Interleaved, ``reps`` each, median. ``rng``: every rank also holds
-    its own RNG state (per rank: its list differs from rank 0's by that fingerprint)."""
+    its own RNG state (per rank: its list differs from rank 0's by that fingerprint). ``pp``:
+    pipeline stages (``plan_entry``)."""
     from fastckpt.engine.plan import PlanExchange
     out: dict = {}
     for n in worlds:
         t = time.perf_counter()
-        now = [json.dumps(v).encode() for v in first_values(n, range(n), None, rng)]
+        now = [json.dumps(v).encode() for v in first_values(n, range(n), None, rng, pp)]
         setup = time.perf_counter() - t
         old = None
         if n <= old_max:
             old = [json.dumps({"save_id": "0123456789ab", "hash": v["hash"],
-                               "specs": plan_entry(r, n, None, rng=rng)["specs"], "error": None,
+                               "specs": plan_entry(r, n, None, rng=rng, pp=pp)["specs"],
+                               "error": None,
                                "aliases": 0}).encode()
                    for r, v in enumerate(json.loads(x) for x in now)]
-        zero = plan_entry(0, n, None, True, rng)["specs"]
+        zero = plan_entry(0, n, None, True, rng, pp)["specs"]
         res: dict = {"now": [], "all_lists": []}
         for _ in range(reps):
             for kind, raw in (("now", now), ("all_lists", old)):

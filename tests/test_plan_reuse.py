@@ -12,6 +12,7 @@ included, now that they travel with the commit results instead of the plan excha
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -36,14 +37,23 @@ def _rank_specs(rank, world, layout, contents):
     """A rank's specs: DTensor shards of "w{i}" (rows split over the ranks; with
     ``layout["solo"]`` marked as held by this rank alone, as ``local_chunks`` marks FSDP2's
     shards: not sent to rank 0), replicated regular tensors "r{j}" whose fingerprint is
-    ``contents[(rank, j)]``."""
+    ``contents[(rank, j)]``. With ``layout["stages"]`` (pipeline stages of consecutive ranks)
+    "w{i}" and "r{j}" (j > 0) belong to stage i (j) modulo the stages, sharded over its ranks
+    on its own mesh; "r0" is every rank's."""
     specs = []
-    solo = "mesh" if layout.get("solo") else None
+    stages = layout.get("stages", 1)
+    size = world // stages
+    stage, place = rank // size, rank % size
+    solo = f"mesh{stage}" if layout.get("solo") else None
     for i, rows in enumerate(layout["dtensors"]):
-        per = rows // world
-        specs.append(_spec(f"w{i}", (rows, 3), (rank * per, 0), (per, 3), True, None,
+        if i % stages != stage:
+            continue
+        per = rows // size
+        specs.append(_spec(f"w{i}", (rows, 3), (place * per, 0), (per, 3), True, None,
                            solo if per else None))
     for j, n in enumerate(layout["regular"]):
+        if j and j % stages != stage:
+            continue
         specs.append(_spec(f"r{j}", (n,), (0,), (n,), False, contents[(rank, j)]))
     for fqn, n in layout["only"].get(rank, []):
         specs.append(_spec(fqn, (n,), (0,), (n,), False, "x"))
@@ -180,16 +190,20 @@ def test_a_rank_that_missed_an_exchange_makes_everyone_exchange_the_lists():
     assert ranks.save(specs, 4) == "reused"
 
 
-@pytest.mark.parametrize("solo", [False, True])
-def test_random_sequences_of_saves_plan_as_a_fresh_exchange_would(solo):
+@pytest.mark.parametrize("mode", ["lists", "solo", "stages"])
+def test_random_sequences_of_saves_plan_as_a_fresh_exchange_would(mode):
     """With ``solo``, the DTensor shards stay on their ranks and a rank whose table or list is
-    rank 0's sends None for it: the plans must still be the oracle's, chunk for chunk."""
+    rank 0's sends None for it; with ``stages`` (pipeline stages, each with its own mesh)
+    too, and a stage's ranks whose table or list is another's name the first rank holding it
+    (``own_as``, ``specs_as``): the plans must still be the oracle's, chunk for chunk."""
     rng = random.Random(7)
+    solo, stages = mode != "lists", 2 if mode == "stages" else 1
     differ: list = []
-    for world in (2, 3, 4, 7):
+    named: list = []
+    for world in ((4, 6, 8) if stages > 1 else (2, 3, 4, 7)):
         ranks = _Ranks(world)
         layout = {"dtensors": [8 * world, 4 * world], "regular": [3, 6, 2], "only": {},
-                  "solo": solo}
+                  "solo": solo, "stages": stages}
         contents = {(r, j): "c" for r in range(world) for j in range(3)}
         hows = set()
         for step in range(1, 40):
@@ -215,10 +229,15 @@ def test_random_sequences_of_saves_plan_as_a_fresh_exchange_would(solo):
         # (a rank sends its list only where it differs from rank 0's: with the DTensor shards
         # out of the lists, both kinds were seen; with them in, every list differs)
         assert (any(lists) and not all(lists)) if solo else not any(lists), lists
-        assert all(tables), tables  # (the same mesh on every rank, or no table at all)
+        if stages == 1:
+            assert all(tables), tables  # (the same mesh on every rank, or no table at all)
         differ += [bool(v.get("differ")) for full in ranks.sent for v in full[1:]]
+        named += [(v.get("own_as"), v.get("specs_as")) for full in ranks.sent for v in full]
     # a list that is rank 0's but for a fingerprint (a copy that differs) sends that alone
     assert any(differ) == solo
+    # another stage's table and list were named, not sent, by all but one of its ranks
+    assert any(a is not None for a, _ in named) == any(b is not None for _, b in named) == (
+        stages > 1)
 
 
 def test_an_error_on_one_rank_is_raised_everywhere_before_any_reuse():
@@ -564,3 +583,92 @@ def test_dtensor_boxes_computed_once_per_layout_are_torchs_and_partial_is_refuse
     # the reversed mesh gives other boxes than the flat one: a cache keyed without the mesh
     # would have given "r" the flat mesh's
     assert out[0][0]["r"] != out[0][0]["a"] and out[0][0]["small2"] != out[0][0]["small"]
+
+
+def _pp_save(rank, world, root, clash):
+    """Pipeline stages under FSDP2 (torchtitan's layout: a (pp, dp) mesh, each stage's layers
+    sharded over its ``dp`` sub-mesh, the full model's names kept): every box is solo, a
+    stage's first rank sends its table once for the stage (its other ranks name it), a box
+    replicated over the stage's ranks is written once; the load is bit-exact. With ``clash``
+    both stages hold a tensor of the same name on their own meshes: refused, naming ranks, and
+    the step before survives."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from fastckpt.engine.plan import local_chunks
+    from tests.models import mlp
+    sent = []
+    real = PlanExchange.full_value
+
+    def spy(self, *a, **kw):
+        out = real(self, *a, **kw)
+        sent.append(_json(out))
+        return out
+    PlanExchange.full_value = spy
+    grid = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+    dp, stage = grid["dp"], grid.get_local_rank("pp")
+
+    def build(seed):
+        full = mlp(seed)
+        m = torch.nn.ModuleDict({k: full[int(k)] for k in (("0", "2") if stage == 0 else ("4",))})
+        for layer in m.values():
+            fully_shard(layer, mesh=dp)
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        x = torch.randn(4, 10 if stage == 0 else 33, generator=torch.Generator().manual_seed(7))
+        for layer in m.values():
+            x = torch.relu(layer(x))
+        x.sum().backward()
+        opt.step()
+        return m, opt
+    m, opt = build(0)
+    extra = {f"rep{stage}": distribute_tensor(torch.arange(8.0) + stage, dp, [Replicate()])}
+    if clash:
+        extra["clash"] = distribute_tensor(torch.arange(4.0), dp, [Replicate()])
+    specs, _ = local_chunks({**m.state_dict(), **extra}, world=world)
+    all_solo = all(s.solo for s in specs)
+    fastckpt.save({"model": m, "optim": opt, "extra": extra}, root, step=1)
+    m2, opt2 = build(5)
+    back = {k: torch.zeros_like(v) for k, v in extra.items()}
+    fastckpt.load({"model": m2, "optim": opt2, "extra": back}, root)
+    from tests.models import full_state
+    same = all(torch.equal(back[k].to_local(), v.to_local()) for k, v in extra.items())
+    got = full_state(m2, opt2)
+    return all_solo, sent, full_state(m, opt), got, same
+
+
+def test_pipeline_stages_keep_their_boxes_and_send_one_table_per_stage(tmp_path):
+    from tests.models import assert_same
+    for indexed in (False, True):
+        root = str(tmp_path / f"ckpt{int(indexed)}")
+        out = run(_pp_save, 4, root, False,
+                  env={"FASTCKPT_RANK_INDEXES": "1" if indexed else "none"})
+        for r, (all_solo, sent, want, got, same) in enumerate(out):
+            assert all_solo and same, r
+            assert_same(want, got)
+            (value,) = sent  # one full exchange
+            # rank 1's table and list are rank 0's; rank 2 sends its stage's (the step
+            # counters of its layers); rank 3 names rank 2's
+            assert (value["own"] is not None) == (value["specs"] is not None) == (
+                r in (0, 2)), (r, value)
+            assert value.get("own_as") == value.get("specs_as") == (2 if r == 3 else None), \
+                (r, value)
+        from fastckpt.manifest.discovery import read_manifest
+        from fastckpt.manifest.schema import step_dirname
+        from fastckpt.storage import open_storage
+        body = read_manifest(open_storage(root), f"{root}/{step_dirname(1)}", step=1)
+        for fqn, t in body["tensors"].items():
+            n = 1
+            for d in t["shape"]:
+                n *= d
+            held = sum(math.prod(c["sizes"]) for c in t["chunks"])
+            assert held == n, (fqn, held, n)  # every element once: the election too
+        assert "extra.rep0" in body["tensors"] and "extra.rep1" in body["tensors"]
+
+
+def test_a_tensor_on_two_stages_meshes_is_refused_naming_ranks(tmp_path):
+    with pytest.raises(AssertionError) as e:
+        run(_pp_save, 4, str(tmp_path / "ckpt"), True, env={"FASTCKPT_RANK_INDEXES": "none"})
+    assert "'extra.clash'" in str(e.value) and "another device mesh" in str(e.value)
+    assert "rank 2" in str(e.value) and "rank 0" in str(e.value)
+    assert fastckpt.steps(str(tmp_path / "ckpt")) == []  # refused before any commit

@@ -1,19 +1,21 @@
 """The save plan: which rank writes which chunk, agreed from one small exchange per save.
 
-(all ranks, training thread) Each rank lists its chunks (``local_chunks``: a box of a global
-tensor per DTensor shard or whole regular tensor) and sends rank 0 alone (``Group.decide``,
-:class:`PlanExchange`) a 128-bit hash of that layout and one hash of the content fingerprints
-of its replicated tensors that other ranks hold too. Rank 0 answers every rank with one
-verdict: **reuse** when every layout hash is the one that rank sent at the previous exchange
-and no such tensor differs now between its holders (the common case: the chunk layout of a
-training state does not change between saves; nobody parses N chunk lists or runs
-``make_plan``, and the store moves O(N) bytes), else **exchange**: every rank sends rank 0
-alone (the first save, a changed layout) what rank 0 cannot know: not its DTensor boxes whose
-holders follow from the mesh (``ChunkSpec.solo``: its own, or elected among replicas), only
-their table, and no table or list that is rank 0's (``None``). Rank 0 computes the plan once
-(``make_plans``): the save id (rank 0's proposal), dtype/shape agreement, and the writer of
-each other chunk (a chunk several ranks hold is written once, by the least-loaded holder,
-largest chunks first); each rank receives only its own part (``Group.decide(..., each=True)``).
+(all ranks, training thread) Each rank lists its chunks (``chunks.local_chunks``: a box of
+a global tensor per DTensor shard or whole regular tensor) and sends rank 0 alone
+(``Group.decide``, :class:`PlanExchange`) a 128-bit hash of that layout and one hash of the
+content fingerprints of its replicated tensors that other ranks hold too. Rank 0 answers
+every rank with one verdict: **reuse** when every layout hash is the one that rank sent at the
+previous exchange and no such tensor differs now between its holders (the common case: the
+chunk layout of a training state does not change between saves; nobody parses N chunk lists
+or runs ``make_plan``, and the store moves O(N) bytes), else **exchange**: every rank sends
+rank 0 alone (the first save, a changed layout) what rank 0 cannot know: not its DTensor
+boxes whose holders follow from the mesh (``ChunkSpec.solo``: its own, or elected among
+replicas), only their table, and no table or list that is rank 0's (``None``) or that the
+verdict names another rank to send (``own_as``, ``specs_as``: the first rank of each other
+pipeline stage sends its stage's). Rank 0 computes the plan once (``make_plans``): the save
+id (rank 0's proposal), dtype/shape agreement, and the writer of each other chunk (a chunk
+several ranks hold is written once, by the least-loaded holder, largest chunks first); each
+rank receives only its own part (``Group.decide(..., each=True)``).
 The plain-value skeletons are not part of the exchange: each rank sends its own to the
 coordinator with its commit result (fastckpt/engine/writer.py).
 """
@@ -25,34 +27,9 @@ import heapq
 import json
 from dataclasses import dataclass
 
-import torch
-
 from ..errors import UnsupportedStateError
-from ..storage.pyio import _raw_view
-from .dtypes import dtype_name
-from .solo import elect, holders, solo_of, written, writes
-from .state import is_dtensor
-
-
-@dataclass(frozen=True)
-class ChunkSpec:
-    """One chunk a rank holds: a box of a (global) tensor."""
-    fqn: str
-    dtype: str
-    shape: tuple  # global shape
-    offsets: tuple
-    sizes: tuple
-    nbytes: int
-    dtensor: bool
-    digest: str | None = None  # regular tensors, more than one rank: see plan.digest
-    #: a DTensor box whose holders follow from its mesh (the whole world) and placements
-    #: (shards and replicas, the tensor not empty): their hash; not sent to rank 0 (make_plans)
-    solo: str | None = None
-    #: (solo) this rank writes it: not empty, and elected among its replicas by a hash
-    #: (:func:`solo.elect`, when the ranks' tables differ; else :func:`solo.written`)
-    writes: bool = True
-    #: (solo, replicated) (its replicas R, this rank's place among them)
-    replicas: tuple = ()
+from .chunks import ChunkSpec, digest, local_chunks  # noqa: F401 - (what callers import here)
+from .solo import solo_of, written, writes
 
 
 @dataclass(frozen=True)
@@ -76,107 +53,6 @@ class SavePlan:
     def file_size(self) -> int:
         """Bytes this rank writes, over all its shard files."""
         return sum(p.size for p in self.pieces)
-
-
-#: regular (non-DTensor) tensors up to this size are hashed whole to find those that differ
-#: between ranks; larger ones by three 8 KiB samples (start, middle, end rows)
-DIGEST_FULL_MAX = 1 << 20
-_SAMPLE = 8 << 10
-
-
-def digest(t: torch.Tensor) -> str:
-    """A content fingerprint of a regular tensor, compared across the ranks that hold it: equal
-    everywhere means replicated (written once), else the tensor is per rank (each writes its
-    own). Whole for tensors up to DIGEST_FULL_MAX bytes (RNG states, counters, small buffers);
-    sampled above that (a per-rank tensor that differs only outside the samples is taken as
-    replicated: use a DTensor or a per-rank key for large per-rank data)."""
-    import xxhash
-    t = t.detach()
-    h = xxhash.xxh3_64()
-    h.update(repr((tuple(t.shape), str(t.dtype))).encode())
-    if t.numel() * t.element_size() <= DIGEST_FULL_MAX:
-        parts = [t]
-    else:
-        rows = sorted({0, t.shape[0] // 2, t.shape[0] - 1}) if t.dim() else []
-        parts = [t[i] for i in rows] or [t]
-    for part in parts:
-        flat = part.reshape(-1)
-        if part is not t:
-            flat = flat[:max(1, _SAMPLE // max(1, t.element_size()))]
-        b = flat.to("cpu").contiguous().view(torch.uint8) if flat.numel() else None
-        if b is not None:
-            h.update(_raw_view(b.data_ptr(), b.numel()))  # (no numpy needed)
-    return h.hexdigest()
-
-
-def local_chunks(tensors: dict[str, torch.Tensor], *, digests: bool = False, world: int = 1
-                 ) -> tuple[list[ChunkSpec], dict]:
-    """This rank's chunks and, per (fqn, offsets), the local tensor holding the data; with
-    ``digests`` (more than one rank) each regular tensor's spec carries :func:`digest`; with
-    ``world`` (the ranks saving) a DTensor box only this rank holds is marked ``solo``.
-
-    Runs on the training thread in every save (part of the async stall): a DTensor's box is
-    torch's own computation (``__create_chunk_list__``, ~40 us) once per mesh, placements and
-    global shape, and its holders (:func:`solo.holders`) once per mesh and placements; the 70B
-    state's 2169 DTensors have a few dozen of each."""
-    specs, data = [], {}
-    meshes: dict = {}  # (id(mesh), placements) -> holders
-    boxes: dict = {}  # (id(mesh), placements, global shape) -> (offsets, sizes)
-    with torch.no_grad():  # (to_local is then the local tensor itself, no autograd node)
-        for fqn, t in tensors.items():
-            dtype = dtype_name(t.dtype)
-            dt = is_dtensor(t)
-            solo, elected, group = None, True, ()
-            if dt:
-                local = t.to_local()
-                key = (id(t.device_mesh), tuple(t.placements))
-                offsets, sizes = _box(t, local, (*key, tuple(t.shape)), boxes, fqn)
-                shape = tuple(t.shape)
-            else:
-                local = t.detach()
-                offsets, sizes, shape = (0,) * t.dim(), tuple(t.shape), tuple(t.shape)
-            if local.is_conj() or local.is_neg():
-                # a lazily conjugated or negated view: its memory holds the unconjugated
-                # values, which a write from memory (zero-copy, the capped pool's C copy)
-                # would store as they lie. Materialise it (a new tensor: the user's stays)
-                local = local.resolve_conj().resolve_neg()
-            nbytes = local.numel() * local.element_size()
-            dig = digest(local) if digests and not dt else None
-            if world > 1 and dt and t.numel():
-                if key not in meshes:
-                    meshes[key] = holders(t, world)
-                solo, replicas, place = meshes[key]
-                elected = bool(nbytes) and (replicas == 1
-                                            or elect(fqn, offsets, replicas) == place)
-                group = (replicas, place) if replicas > 1 else ()
-            specs.append(ChunkSpec(fqn, dtype, shape, offsets, sizes, nbytes, dt, dig,
-                                   solo, elected, group))
-            data[(fqn, offsets)] = local
-    return specs, data
-
-
-def _box(t, local: torch.Tensor, key: tuple, boxes: dict, fqn: str) -> tuple:
-    """A DTensor's local box (offsets, sizes), from torch, computed once per ``key`` in one
-    :func:`local_chunks`: it depends on the global shape, the mesh (this rank's coordinate)
-    and the placements alone. A local tensor of a subclass with its own chunk list is asked
-    each time."""
-    box = boxes.get(key)
-    if box is None or hasattr(local, "__create_chunk_list__"):
-        if any(p.is_partial() for p in t.placements):
-            raise UnsupportedStateError(
-                f"DTensor placements {t.placements} hold a pending reduction (Partial): each "
-                "rank's local tensor is a summand, not a box of the tensor; reduce it first "
-                "(.redistribute(..., [Replicate()]) or .full_tensor())", key=fqn)
-        chunks = t.__create_chunk_list__()
-        if len(chunks) != 1:
-            box = None
-        else:
-            box = boxes[key] = (tuple(chunks[0].offsets), tuple(chunks[0].sizes))
-    if box is None or box[1] != tuple(local.shape):
-        raise UnsupportedStateError(
-            f"DTensor placements {t.placements} give this rank a local tensor that is "
-            "not a single box of the global tensor; not supported yet", key=fqn)
-    return box
 
 
 def make_plans(values: list[dict], step: int) -> tuple[list[list], SavePlan]:
@@ -206,48 +82,46 @@ def make_plans(values: list[dict], step: int) -> tuple[list[list], SavePlan]:
                 f"{_meta(meta)} on rank {r}")
     meshes: dict[str, tuple] = {}  # fqn -> (the mesh and placements of its shards, a rank)
     for r, v in enumerate(values):
+        if v.get("own") is None and v.get("own_as") is not None:
+            a = v["own_as"]  # (a table another rank sent: met there)
+            if not (0 < a < n and values[a].get("own") is not None):
+                raise UnsupportedStateError(f"rank {r} names rank {a}'s table, not sent")
+            continue
         for fqn, dtype, shape, mesh in (v.get("own", []) if r == 0 else v.get("own") or ()):
             meet(fqn, (dtype, tuple(shape), True), r)
             if meshes.setdefault(fqn, (mesh, r))[0] != mesh:
                 raise UnsupportedStateError(
                     f"tensor {fqn!r} is sharded over another device mesh or placements on rank "
                     f"{r} than on rank {meshes[fqn][1]}")
-    same = bytearray(n)  # the ranks whose list is rank 0's
+    lead = _leads(values)  # whose list stands for each rank's
+    members: dict = {}  # a rank that sent a list -> the ranks it stands for
+    for r in range(n):
+        members.setdefault(lead[r], []).append(r)
     spec: dict = {}  # key -> the first holder's row
-    extra: dict = {}  # key -> its holders outside `same`, in rank order
+    holding: dict = {}  # key -> the ranks that sent a list holding it, in rank order
     digests: dict = {}
-    mine: list = [None] * n  # the other ranks: key -> row
-    for r, v in enumerate(values):
-        if r and v["specs"] is None:
-            same[r] = 1
-            continue
-        same[r] = r == 0
+    mine: dict = {}  # a rank that sent a list -> key -> row
+    for a in members:
         rows: dict = {}
-        for s in v["specs"]:  # [fqn, dtype, shape, offsets, sizes, nbytes, dtensor, digest]
-            meet(s[0], (s[1], tuple(s[2]), s[6]), r)
+        for s in values[a]["specs"]:  # [fqn, dtype, shape, offsets, sizes, nbytes, dtensor, digest]
+            meet(s[0], (s[1], tuple(s[2]), s[6]), a)
             if s[5] and s[0] in meshes:
                 raise UnsupportedStateError(
-                    f"tensor {s[0]!r}: rank {r} holds a box of it that rank "
+                    f"tensor {s[0]!r}: rank {a} holds a box of it that rank "
                     f"{meshes[s[0]][1]}'s device mesh gives to one rank alone")
             key = (s[0], tuple(s[3]))
             rows[key] = s
             if key in spec:
                 digests[key].add(s[7])
-                extra[key].append(r)
+                holding[key].append(a)
             else:
-                spec[key], digests[key] = s, {s[7]}
-                extra[key] = [] if r == 0 else [r]
-        mine[r] = rows
-    base = mine[0]
-    group = [r for r in range(n) if same[r]]
-    if any(values[r].get("differ") for r in group):
-        order = list(base)  # (rank 0's list, in its order: the places ``differ`` names)
-        for r in group:
+                spec[key], digests[key], holding[key] = s, {s[7]}, [a]
+        mine[a] = rows
+    if any(values[r].get("differ") for r in members[0]):
+        order = list(mine[0])  # (rank 0's list, in its order: the places ``differ`` names)
+        for r in members[0]:
             for i, d in values[r].get("differ") or ():
                 digests[order[i]].add(d)
-
-    def row(r: int, key: tuple) -> list:
-        return base[key] if same[r] else mine[r][key]
     per_rank = {key for key, ds in digests.items() if len(ds) > 1}
     tensors = {fqn: _meta(m) for fqn, m in metas.items()}
     for fqn, _ in per_rank:
@@ -255,36 +129,53 @@ def make_plans(values: list[dict], step: int) -> tuple[list[list], SavePlan]:
     chunks: list[list] = [[] for _ in range(n)]
     load = [v.get("own_bytes", 0) for v in values]
     shared = []
-    for key, others in extra.items():
-        mates = group if key in base else ()
+    for key, hs in holding.items():
         if key in per_rank:
-            for r in (*mates, *others):
-                chunks[r].append(key)
-        elif len(mates) + len(others) == 1:
-            w = mates[0] if mates else others[0]
-            chunks[w].append(key)
-            load[w] += spec[key][5]
+            for a in hs:
+                for r in members[a]:
+                    chunks[r].append(key)
+        elif len(hs) == 1 and len(members[hs[0]]) == 1:
+            chunks[hs[0]].append(key)
+            load[hs[0]] += spec[key][5]
         else:
             shared.append(key)
-    heap = [(load[r], r) for r in group]  # (the ranks of rank 0's list change load only here)
-    heapq.heapify(heap)
+    # the loads of the ranks one list stands for, in a heap: a rank of such a group changes
+    # load only here (O(log N) per chunk, not O(N))
+    heaps = {a: [(load[r], r) for r in rs] for a, rs in members.items() if len(rs) > 1}
+    for h in heaps.values():
+        heapq.heapify(h)
     for key in sorted(shared, key=lambda k: (-spec[k][5], k[0], k[1])):
-        best = heap[0] if key in base else None
-        for r in extra[key]:
-            if best is None or (load[r], r) < best:
-                best = (load[r], r)
+        best = None
+        for a in holding[key]:
+            cand = heaps[a][0] if a in heaps else (load[a], a)
+            if best is None or cand < best:
+                best, group = cand, a
         w = best[1]
-        load[w] += row(w, key)[5]
-        if same[w]:
-            heapq.heapreplace(heap, (load[w], w))
+        load[w] += mine[lead[w]][key][5]
+        if group in heaps:
+            heapq.heapreplace(heaps[group], (load[w], w))
         chunks[w].append(key)
     # (the fingerprints served the split above; a reused plan must not carry stale ones)
-    rows = [[list(row(r, k)[:7]) + [None] for k in sorted(chunks[r])] for r in range(n)]
+    rows = [[list(mine[lead[r]][k][:7]) + [None] for k in sorted(chunks[r])]
+            for r in range(n)]
     v2 = bool(per_rank) or any(g.get("aliases") for g in values)
     plan = SavePlan(save_id=values[0]["save_id"], step=step, world_size=n,
                     my_chunks=_chunk_specs(rows[0]), tensors=tensors,
                     format_version=2 if v2 else 1)
     return rows, plan
+
+
+def _leads(values: list[dict]) -> list[int]:
+    """(rank 0) Per rank, the rank whose list stands for its own: itself when it sent one, 0
+    when it sent None (rank 0's), the rank it names when it sent another's (``specs_as``)."""
+    lead = list(range(len(values)))
+    for r, v in enumerate(values):
+        if r and v["specs"] is None:
+            a = v.get("specs_as")
+            if a is not None and not (0 < a < len(values) and values[a]["specs"] is not None):
+                raise UnsupportedStateError(f"rank {r} names rank {a}'s chunk list, not sent")
+            lead[r] = 0 if a is None else a
+    return lead
 
 
 def _meta(m: tuple) -> dict:
@@ -357,7 +248,34 @@ class _Reusable:
 
 def _alike(values: list[dict]) -> bool:
     """Whether every rank's table of solo boxes was rank 0's (sent as None)."""
-    return all(v.get("own", ()) is None for v in values[1:])
+    return all(v.get("own", ()) is None and v.get("own_as") is None for v in values[1:])
+
+
+#: at most this many tables are named in a verdict (:func:`_senders`): it goes to every rank
+SENDERS_MAX = 64
+
+
+def _list_hash(rest: list) -> str:
+    """The hash of a rank's list of non-solo chunks with their fingerprints."""
+    return _joint_hash([list(s[:8]) for s in rest])
+
+
+def _senders(values: list[dict], field: str, zero: str) -> dict:
+    """(rank 0) For each table of solo boxes (``field`` "own_hash") or list of the other
+    chunks with their fingerprints ("list_hash") that several ranks hold and rank 0 does not
+    (a pipeline stage's, under PP + FSDP), the first rank holding it: only that rank sends it,
+    the others name it (``own_as``, ``specs_as``): rank 0 receives one per stage, not one per
+    rank. The SENDERS_MAX most shared (the verdict goes to every rank); other ranks send
+    theirs."""
+    first: dict = {}
+    count: dict = {}
+    for r, v in enumerate(values):
+        h = v.get(field)
+        if h is not None and h != zero:
+            first.setdefault(h, r)
+            count[h] = count.get(h, 0) + 1
+    shared = sorted((h for h, c in count.items() if c > 1), key=lambda h: (-count[h], h))
+    return {h: first[h] for h in shared[:SENDERS_MAX]}
 
 
 def _same_tree(values: list[dict]) -> bool:
@@ -389,9 +307,11 @@ class PlanExchange:
         self._layout: tuple = ((), "", None)  # this rank's last layout, its hash, its table's
         self._made: tuple | None = None  # (rank 0) the plan assign made, until take
         self._specs: list = []  # this rank's specs at its last value (rank 0's decide)
-        #: rank 0's table hash, list layout hash and fingerprints, from the verdict
-        self._ref: tuple = (None, None, None)
+        #: rank 0's table hash, list layout hash and fingerprints, and the ranks named to
+        #: send a table or a list for others (hash -> rank), from the verdict
+        self._ref: tuple = (None, None, None, {}, {})
         self._solo: list = []  # the rows of the chunks this rank alone holds (full_value)
+        self._taken = ""  # this rank's layout hash at its last exchange (take)
         #: how the last plan was made: "reused", "exchanged" (the first) or "re-exchanged"
         self.how = ""
 
@@ -401,6 +321,12 @@ class PlanExchange:
         out = {"save_id": save_id, "base": last.base if last is not None else None,
                "hash": self._hash(specs), **extra}
         self._specs = specs
+        if last is None or out["hash"] != self._taken:
+            # (a full exchange is likely: the hashes of the table of solo boxes and of the
+            # list with its fingerprints, by which rank 0 names one rank per distinct table
+            # and list to send it, :meth:`decide`: one per pipeline stage, not per rank)
+            _, rest, out["own_hash"], _ = self._split(specs)
+            out["list_hash"] = _list_hash(rest)
         if last is not None:
             regular = [s[7] for s in specs if not s[6]]
             if last.compact:
@@ -434,7 +360,8 @@ class PlanExchange:
         if verdict.get("error"):
             raise UnsupportedStateError(verdict["error"])
         if verdict["how"] != "reuse":
-            self._ref = (verdict.get("own"), verdict.get("rest"), verdict.get("digests"))
+            self._ref = (verdict.get("own"), verdict.get("rest"), verdict.get("digests"),
+                         verdict.get("tables") or {}, verdict.get("lists") or {})
             return None
         last = self._last
         assert last is not None  # the coordinator saw this rank's base
@@ -455,15 +382,22 @@ class PlanExchange:
         ranks from one list."""
         table, rest, own, rests = self._split(specs)
         self._solo = [s for s in specs if solo_of(s)]  # (which it writes: take decides)
-        first, (ref_own, ref_rest, ref_digests) = rank == 0, self._ref
+        first, (ref_own, ref_rest, ref_digests, tables, lists) = rank == 0, self._ref
         out = {"save_id": save_id, "hash": self._hash(specs),
                "own": None if not first and own == ref_own else table,
                "own_bytes": sum(s[5] for s in specs if solo_of(s) and writes(s)),
                "specs": rest, **extra}
-        if not first and rests == ref_rest and len(rest) == len(ref_digests or ()):
+        sender = lists.get(_list_hash(rest)) if lists and not first else None
+        if sender is not None:
+            if sender != rank:  # another rank's list, fingerprints too: that rank sends it
+                out["specs"], out["specs_as"] = None, sender
+        elif not first and rests == ref_rest and len(rest) == len(ref_digests or ()):
             # rank 0's list but for some fingerprints (a per-rank RNG state): those alone
             out["specs"] = None
             out["differ"] = [[i, s[7]] for i, s in enumerate(rest) if s[7] != ref_digests[i]]
+        if out["own"] is not None and not first and tables.get(own, rank) != rank:
+            # another rank's table (the same pipeline stage): that rank sends it
+            out["own"], out["own_as"] = None, tables[own]
         return out
 
     def take(self, answer: tuple, rank: int, step: int) -> SavePlan:
@@ -483,7 +417,7 @@ class PlanExchange:
             last = _Reusable(plan.save_id, plan, [], [], part.get("mine", common.get("mine")),
                              [], common["compact"])
         self.how = "re-exchanged" if self._last is not None else "exchanged"
-        self._last = last
+        self._last, self._taken = last, self._layout[1]
         return plan
 
     # -- the coordinator ---------------------------------------------------------------------
@@ -495,6 +429,8 @@ class PlanExchange:
             if not out["error"]:  # what each rank compares its table and its list with
                 _, rest, out["own"], out["rest"] = self._split(self._specs)
                 out["digests"] = [s[7] for s in rest]
+                out["tables"] = _senders(values, "own_hash", out["own"])
+                out["lists"] = _senders(values, "list_hash", _list_hash(rest))
             return out
         per_rank = any(m.get("per_rank") for m in self._last.plan.tensors.values())
         v2 = per_rank or any(v.get("aliases") for v in values)
@@ -553,35 +489,36 @@ class PlanExchange:
         """(rank 0) What the verdicts after this exchange compare, for every rank."""
         # the replicated tensors (not per rank) held by more than one rank, by their place in
         # each holder's regular-tensor fingerprints (DTensor boxes have none: never per rank)
-        # A rank whose list is rank 0's (None) watches what rank 0 watches: one entry for them
+        # A rank whose list is rank 0's (None) or another's (specs_as) watches what that one does
         per_rank = {fqn for fqn, m in plan.tensors.items() if m.get("per_rank")}
         n = len(gathered)
-        alike = sum(1 for r, g in enumerate(gathered) if r == 0 or g["specs"] is None)
-        places: dict = {}  # rank 0 and the ranks with their own list: key -> place
-        holders: dict = {}  # key -> the ranks with their own list holding it
+        lead = _leads(gathered)
+        size: dict = {}
+        for a in lead:
+            size[a] = size.get(a, 0) + 1
+        places: dict = {}  # the ranks that sent a list: key -> place
+        holders: dict = {}  # key -> those ranks holding it, rank 0 aside
         count: dict = {}
-        for r, g in enumerate(gathered):
-            if r and g["specs"] is None:
-                continue
-            regular = [s for s in g["specs"] if not s[6]]
-            places[r] = {(s[0], tuple(s[3])): j for j, s in enumerate(regular)}
-            for key in places[r]:
+        for a in size:
+            regular = [s for s in gathered[a]["specs"] if not s[6]]
+            places[a] = {(s[0], tuple(s[3])): j for j, s in enumerate(regular)}
+            for key in places[a]:
                 if key[0] not in per_rank:
-                    count[key] = count.get(key, 0) + (alike if r == 0 else 1)
-                    if r:
-                        holders.setdefault(key, []).append(r)
+                    count[key] = count.get(key, 0) + size[a]
+                    if a:
+                        holders.setdefault(key, []).append(a)
         shared = sorted(k for k, c in count.items() if c > 1)
-        watched: dict = {r: [] for r in places}
+        watched: dict = {a: [] for a in places}
         for key in shared:
-            for r in ([0] if key in places[0] else []) + holders.get(key, []):
-                watched[r].append(key)
+            for a in ([0] if key in places[0] else []) + holders.get(key, []):
+                watched[a].append(key)
         sig: dict = {}
-        gid = {r: sig.setdefault(tuple(w), len(sig)) if w else None for r, w in watched.items()}
-        compact = all(len({gid[r] for r in ([0] if key in places[0] else [])
+        gid = {a: sig.setdefault(tuple(w), len(sig)) if w else None for a, w in watched.items()}
+        compact = all(len({gid[a] for a in ([0] if key in places[0] else [])
                            + holders.get(key, [])}) == 1 for key in shared)
-        mine = {r: ([places[r][k] for k in w], w) for r, w in watched.items()}
-        watch = [mine.get(r, mine[0]) for r in range(n)]
-        group = [gid.get(r, gid[0]) for r in range(n)]
+        mine = {a: ([places[a][k] for k in w], w) for a, w in watched.items()}
+        watch = [mine[lead[r]] for r in range(n)]
+        group = [gid[lead[r]] for r in range(n)]
         hashes = [g["hash"] if isinstance(g.get("hash"), str) else
                   layout_hash(g["specs"]) if g["specs"] else "" for g in gathered]
         return _Reusable(plan.save_id, plan, hashes, watch, watch[0][0], group, compact)

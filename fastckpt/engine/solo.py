@@ -1,9 +1,10 @@
 """Which DTensor boxes a rank writes without asking rank 0 (``ChunkSpec.solo``).
 
-A box whose holders follow from its mesh (all the saving ranks) and placements (shards and
-replicas) is not sent to rank 0 in a first save's plan exchange (fastckpt/engine/plan.py): a
-box one rank holds is written by it, a box R replicas hold by one of them, chosen the same way
-on each replica without an exchange (:func:`written`), an empty box by nobody.
+A box whose holders follow from its mesh (saving ranks: all of them, or a pipeline stage's)
+and placements (shards and replicas) is not sent to rank 0 in a first save's plan exchange
+(fastckpt/engine/plan.py): a box one rank holds is written by it, a box R replicas hold by
+one of them, chosen the same way on each replica without an exchange (:func:`written`), an
+empty box by nobody.
 """
 
 from __future__ import annotations
@@ -15,28 +16,33 @@ def holders(t: torch.Tensor, world: int) -> tuple:
     """(the hash of a DTensor's mesh and placements, its replicas R, this rank's place among
     them) when the holders of its local box follow from them alone: every placement a
     ``Shard`` (or FSDP2's ``_StridedShard``) or a ``Replicate`` (not ``Partial``), over a mesh
-    of all ``world`` ranks. The box is then held by this rank alone (R = 1) or by the R ranks
-    with its coordinates on the other mesh dims, which elect its writer (:func:`elect`)
-    without an exchange; an empty box (uneven shards: several ranks can hold the same one) by
-    nobody, the non-empty boxes cover the tensor. Else (None, 0, 0). The same for every
-    DTensor of a mesh and placements (:func:`plan.local_chunks` asks once for each)."""
+    of saving ranks (of the ``world``) that this rank is in: all of them under FSDP, a
+    pipeline stage's under PP + FSDP (torchtitan's ``dp`` sub-mesh; rank 0 refuses a tensor
+    that two meshes hold, :func:`plan.make_plans`). The box is then held by this rank alone
+    (R = 1) or by the R ranks with its coordinates on the other mesh dims, which elect its
+    writer (:func:`elect`) without an exchange; an empty box (uneven shards: several ranks
+    can hold the same one) by nobody, the non-empty boxes cover the tensor. Else (None, 0,
+    0). The same for every DTensor of a mesh and placements (:func:`chunks.local_chunks` asks
+    once for each)."""
     from torch.distributed.tensor.placement_types import Replicate, Shard
     try:
         from torch.distributed.tensor.placement_types import _StridedShard as Strided
     except ImportError:  # (an older torch)
         Strided = Shard
     mesh = t.device_mesh
-    if mesh.size() != world or not all(isinstance(p, (Shard, Strided, Replicate))
-                                       for p in t.placements):
+    where = mesh.get_coordinate()
+    ranks = mesh.mesh.tolist()
+    if (where is None or mesh.size() > world or int(mesh.mesh.max()) >= world
+            or not all(isinstance(p, (Shard, Strided, Replicate)) for p in t.placements)):
         return None, 0, 0
     import xxhash
-    where, shape = mesh.get_coordinate(), tuple(mesh.mesh.shape)
+    shape = tuple(mesh.mesh.shape)
     replicas, mine = 1, 0
     for d, p in enumerate(t.placements):
         if isinstance(p, Replicate):
             replicas, mine = replicas * shape[d], mine * shape[d] + where[d]
     return (xxhash.xxh3_64_hexdigest(repr(
-        (mesh.mesh.tolist(), [repr(p) for p in t.placements])).encode()), replicas, mine)
+        (ranks, [repr(p) for p in t.placements])).encode()), replicas, mine)
 
 
 def elect(fqn: str, offsets: tuple, replicas: int) -> int:
