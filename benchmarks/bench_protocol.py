@@ -204,9 +204,17 @@ class Counted:
             raise
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        vals = self._s.multi_get(keys)
+        try:  # (a WAIT for the keys, then MULTI_GET: a timed-out WAIT is cancelled)
+            vals = self._s.multi_get(keys)
+        except Exception:
+            self._tick("wait", sum(map(len, keys)))
+            self._tick("wait_timeout", 0)
+            raise
         self._tick("multi_get", 2 * sum(map(len, keys)) + sum(map(len, vals)))
         return vals
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._s.set_timeout(timeout)  # (the client's own: no command)
 
     def append(self, k: str, v: bytes) -> None:
         self._tick("append", len(k) + len(v))

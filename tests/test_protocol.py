@@ -258,8 +258,21 @@ def test_exchange_wait_is_one_server_side_wait(store):
     log.clear()
     found, missing = ex.wait(["k/0", "never"], time.monotonic() + 0.3)
     assert missing == ["never"] and found == {"k/0": b"k/0"}
-    names = [c for _, c in log]  # the pooled connection: no check first, no clone
-    assert names[0] == "wait" and "clone" not in names, names
+    names = [c for _, c in log]  # the pooled connection: no check first, no clone; up to
+    # 1024 keys a multi_get waits on the server (its connection's timeout: the deadline)
+    assert names[:2] == ["set_timeout", "multi_get"] and "clone" not in names, names
+    # (the timed-out connection is dropped) the keys there: a check on the shared connection
+    log.clear()
+    assert ex.wait(["k/5", "k/6"], time.monotonic() + 20) == (
+        {"k/5": b"k/5", "k/6": b"k/6"}, [])
+    assert [c for _, c in log] == ["check", "multi_get"], log
+    for expect in (["check", "clone", "set_timeout", "multi_get"], ["set_timeout", "multi_get"]):
+        log.clear()  # keys set later: a new connection, then the pooled one; one multi_get
+        # (2 commands) each time, where a wait and then a multi_get were 3
+        late = [f"late{len(expect)}/{i}" for i in range(3)]
+        threading.Timer(0.3, lambda: [store.set("fastckpt/" + k, b"x") for k in late]).start()
+        assert ex.wait(late, time.monotonic() + 20) == ({k: b"x" for k in late}, [])
+        assert [c for _, c in log] == expect, log
 
 
 def test_gather_over_a_real_store(store):
@@ -311,11 +324,12 @@ def test_decide_sends_the_values_to_rank_0_only_and_names_the_missing(store):
     log: list = []
     for g in groups:
         g._exchange._store = Counting(g._exchange._store, log)
+        g._exchange._idle.clear()  # (its connections are clones of the counted store now)
     out, _ = _threads(world, lambda r: groups[r].decide(r, len, timeout_s=10, what="t"))
     assert all(o == world for o in out.values())
     assert len(log) <= 8 * world + 12, [c for _, c in log]
     # rank 0: the values, then the "done" key; every other rank: its answer
-    assert sum(c == "multi_get" for _, c in log) == 2 + (world - 1)
+    assert sum(c == "multi_get" for _, c in log) == 2 + (world - 1), [c for _, c in log]
     out, took = _threads(world, lambda r: groups[r].decide(r, len, timeout_s=2.0, what="plan"),
                          skip=(4,))
     assert took < 4
