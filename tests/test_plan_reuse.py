@@ -64,6 +64,20 @@ def _json(x):
     return json.loads(json.dumps(x))  # what crosses the store
 
 
+def _full_values() -> list:
+    """(in a rank) Every value this process's ``PlanExchange.full_value`` returns from now
+    on, as rank 0 receives it."""
+    sent: list = []
+    real = PlanExchange.full_value
+
+    def spy(self, *a, **kw):
+        out = real(self, *a, **kw)
+        sent.append(_json(out))
+        return out
+    PlanExchange.full_value = spy
+    return sent
+
+
 class _Ranks:
     """N simulated ranks' PlanExchanges and what an oracle expects of them: ``sticky``, the
     tensors that stay per rank until the next full exchange."""
@@ -428,14 +442,7 @@ def _solo_save(rank, world, root):
 
     from fastckpt.engine.plan import local_chunks
     from tests.models import fsdp_mlp, full_state, train_step
-    sent = []
-    real = PlanExchange.full_value
-
-    def spy(self, *a, **kw):
-        out = real(self, *a, **kw)
-        sent.append(_json(out))
-        return out
-    PlanExchange.full_value = spy
+    sent = _full_values()
     m = fsdp_mlp(0)
     opt = torch.optim.Adam(m.parameters(), lr=1e-2)
     for s in range(2):
@@ -598,14 +605,7 @@ def _pp_save(rank, world, root, clash):
 
     from fastckpt.engine.plan import local_chunks
     from tests.models import mlp
-    sent = []
-    real = PlanExchange.full_value
-
-    def spy(self, *a, **kw):
-        out = real(self, *a, **kw)
-        sent.append(_json(out))
-        return out
-    PlanExchange.full_value = spy
+    sent = _full_values()
     grid = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
     dp, stage = grid["dp"], grid.get_local_rank("pp")
 
