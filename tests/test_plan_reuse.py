@@ -254,6 +254,28 @@ def test_random_sequences_of_saves_plan_as_a_fresh_exchange_would(mode):
         stages > 1)
 
 
+def test_a_stage_rank_whose_copy_differs_names_the_list_and_sends_its_fingerprints():
+    """Pipeline stages, a process's first save: rank 3's copy of its stage's "r1" differs
+    from rank 2's (a per-rank RNG state): it names rank 2's list and sends its fingerprints
+    alone (``digests_as``); "r1" is then per rank, each stage rank writes its own; a later
+    save with every copy equal again reuses (it stays per rank until the next exchange)."""
+    world = 4
+    layout = {"dtensors": [8, 12, 4], "regular": [3, 6, 2], "only": {}, "solo": True,
+              "stages": 2}
+    contents = {(r, j): "c" for r in range(world) for j in range(3)}
+    contents[(3, 1)] = "rank3"
+    ranks = _Ranks(world)
+    assert ranks.save([_rank_specs(r, world, layout, contents) for r in range(world)], 1) == \
+        "exchanged"
+    (full,) = ranks.sent
+    assert full[3].get("specs_as") == 2 and full[3].get("digests_as") is not None, full[3]
+    assert full[2]["specs"] is not None and full[1]["specs"] is None
+    assert ranks.sticky == {"r1"}
+    contents[(3, 1)] = "c"
+    assert ranks.save([_rank_specs(r, world, layout, contents) for r in range(world)], 2) == \
+        "reused"
+
+
 def test_an_error_on_one_rank_is_raised_everywhere_before_any_reuse():
     world = 2
     layout = {"dtensors": [4], "regular": [2], "only": {}}
@@ -627,12 +649,15 @@ def _pp_save(rank, world, root, clash):
         extra["clash"] = distribute_tensor(torch.arange(4.0), dp, [Replicate()])
     specs, _ = local_chunks({**m.state_dict(), **extra}, world=world)
     all_solo = all(s.solo for s in specs)
-    fastckpt.save({"model": m, "optim": opt, "extra": extra}, root, step=1)
+    mine = torch.full((3,), float(rank))  # (per rank, as an RNG state: each its own)
+    fastckpt.save({"model": m, "optim": opt, "extra": extra, "mine": mine}, root, step=1)
     m2, opt2 = build(5)
     back = {k: torch.zeros_like(v) for k, v in extra.items()}
-    fastckpt.load({"model": m2, "optim": opt2, "extra": back}, root)
+    mine2 = torch.zeros(3)
+    fastckpt.load({"model": m2, "optim": opt2, "extra": back, "mine": mine2}, root)
     from tests.models import full_state
     same = all(torch.equal(back[k].to_local(), v.to_local()) for k, v in extra.items())
+    same = same and torch.equal(mine2, mine)
     got = full_state(m2, opt2)
     return all_solo, sent, full_state(m, opt), got, same
 
@@ -647,17 +672,23 @@ def test_pipeline_stages_keep_their_boxes_and_send_one_table_per_stage(tmp_path)
             assert all_solo and same, r
             assert_same(want, got)
             (value,) = sent  # one full exchange
-            # rank 1's table and list are rank 0's; rank 2 sends its stage's (the step
-            # counters of its layers); rank 3 names rank 2's
+            # rank 1's table and list are rank 0's but for its own "mine" (``differ``); rank 2
+            # sends its stage's (the step counters of its layers); rank 3 names rank 2's,
+            # with its fingerprints ("mine" differs)
             assert (value["own"] is not None) == (value["specs"] is not None) == (
                 r in (0, 2)), (r, value)
             assert value.get("own_as") == value.get("specs_as") == (2 if r == 3 else None), \
                 (r, value)
+            assert bool(value.get("differ")) == (r == 1), (r, value)
+            assert (value.get("digests_as") is not None) == (r == 3), (r, value)
         from fastckpt.manifest.discovery import read_manifest
         from fastckpt.manifest.schema import step_dirname
         from fastckpt.storage import open_storage
         body = read_manifest(open_storage(root), f"{root}/{step_dirname(1)}", step=1)
+        assert body["tensors"]["mine"].get("per_rank"), body["tensors"]["mine"]
         for fqn, t in body["tensors"].items():
+            if fqn == "mine":
+                continue  # (per rank: each rank's own copy)
             n = 1
             for d in t["shape"]:
                 n *= d

@@ -122,6 +122,15 @@ def make_plans(values: list[dict], step: int) -> tuple[list[list], SavePlan]:
         for r in members[0]:
             for i, d in values[r].get("differ") or ():
                 digests[order[i]].add(d)
+    for r, v in enumerate(values):
+        if v.get("digests_as") is not None:  # its fingerprints, in its list's (= lead's) order
+            rows = mine[lead[r]]
+            if lead[r] == r or len(v["digests_as"]) != len(rows):
+                raise UnsupportedStateError(
+                    f"rank {r}'s fingerprints do not match rank {lead[r]}'s chunk list")
+            for (key, row), d in zip(rows.items(), v["digests_as"]):
+                if d != row[7]:
+                    digests[key].add(d)
     per_rank = {key for key, ds in digests.items() if len(ds) > 1}
     tensors = {fqn: _meta(m) for fqn, m in metas.items()}
     for fqn, _ in per_rank:
@@ -261,12 +270,13 @@ def _list_hash(rest: list) -> str:
 
 
 def _senders(values: list[dict], field: str, zero: str) -> dict:
-    """(rank 0) For each table of solo boxes (``field`` "own_hash") or list of the other
-    chunks with their fingerprints ("list_hash") that several ranks hold and rank 0 does not
-    (a pipeline stage's, under PP + FSDP), the first rank holding it: only that rank sends it,
-    the others name it (``own_as``, ``specs_as``): rank 0 receives one per stage, not one per
-    rank. The SENDERS_MAX most shared (the verdict goes to every rank); other ranks send
-    theirs."""
+    """(rank 0) For each table of solo boxes (``field`` "own_hash") or layout of the list of
+    the other chunks ("rest_hash") that several ranks hold and rank 0 does not (a pipeline
+    stage's, under PP + FSDP), the first rank holding it: only that rank sends it, the others
+    name it (``own_as``, ``specs_as``; a list whose fingerprints differ from that rank's, a
+    per-rank RNG state, with its fingerprints alone: ``digests_as``): rank 0 receives one per
+    stage, not one per rank. The SENDERS_MAX most shared (the verdict goes to every rank);
+    other ranks send theirs."""
     first: dict = {}
     count: dict = {}
     for r, v in enumerate(values):
@@ -322,10 +332,11 @@ class PlanExchange:
                "hash": self._hash(specs), **extra}
         self._specs = specs
         if last is None or out["hash"] != self._taken:
-            # (a full exchange is likely: the hashes of the table of solo boxes and of the
-            # list with its fingerprints, by which rank 0 names one rank per distinct table
-            # and list to send it, :meth:`decide`: one per pipeline stage, not per rank)
-            _, rest, out["own_hash"], _ = self._split(specs)
+            # (a full exchange is likely: the hashes of the table of solo boxes, of the list's
+            # layout and of the list with its fingerprints, by which rank 0 names one rank
+            # per distinct table and list layout to send it, :meth:`decide`: one per pipeline
+            # stage, not per rank)
+            _, rest, out["own_hash"], out["rest_hash"] = self._split(specs)
             out["list_hash"] = _list_hash(rest)
         if last is not None:
             regular = [s[7] for s in specs if not s[6]]
@@ -387,10 +398,13 @@ class PlanExchange:
                "own": None if not first and own == ref_own else table,
                "own_bytes": sum(s[5] for s in specs if solo_of(s) and writes(s)),
                "specs": rest, **extra}
-        sender = lists.get(_list_hash(rest)) if lists and not first else None
-        if sender is not None:
-            if sender != rank:  # another rank's list, fingerprints too: that rank sends it
+        named = lists.get(rests) if lists and not first else None
+        if named is not None:
+            sender, its_hash = named
+            if sender != rank:  # another rank's list layout: that rank sends the list
                 out["specs"], out["specs_as"] = None, sender
+                if _list_hash(rest) != its_hash:  # (a per-rank RNG state): the fingerprints
+                    out["digests_as"] = [s[7] for s in rest]
         elif not first and rests == ref_rest and len(rest) == len(ref_digests or ()):
             # rank 0's list but for some fingerprints (a per-rank RNG state): those alone
             out["specs"] = None
@@ -430,7 +444,8 @@ class PlanExchange:
                 _, rest, out["own"], out["rest"] = self._split(self._specs)
                 out["digests"] = [s[7] for s in rest]
                 out["tables"] = _senders(values, "own_hash", out["own"])
-                out["lists"] = _senders(values, "list_hash", _list_hash(rest))
+                out["lists"] = {h: [r, values[r].get("list_hash")] for h, r in
+                                _senders(values, "rest_hash", out["rest"]).items()}
             return out
         per_rank = any(m.get("per_rank") for m in self._last.plan.tensors.values())
         v2 = per_rank or any(v.get("aliases") for v in values)
