@@ -28,7 +28,7 @@ class ChunkSpec:
     sizes: tuple
     nbytes: int
     dtensor: bool
-    digest: str | None = None  # regular tensors, more than one rank: see plan.digest
+    digest: str | None = None  # regular tensors, more than one rank: see digest()
     #: a DTensor box whose holders follow from its mesh (saving ranks) and placements
     #: (shards and replicas, the tensor not empty): their hash; not sent to rank 0 (make_plans)
     solo: str | None = None
@@ -77,9 +77,9 @@ def local_chunks(tensors: dict[str, torch.Tensor], *, digests: bool = False, wor
     ``world`` (the ranks saving) a DTensor box only this rank holds is marked ``solo``.
 
     Runs on the training thread in every save (part of the async stall): a DTensor's box is
-    torch's own computation (``__create_chunk_list__``, ~40 us) once per mesh, placements and
-    global shape, and its holders (:func:`solo.holders`) once per mesh and placements; the 70B
-    state's 2169 DTensors have a few dozen of each."""
+    torch's own computation (``__create_chunk_list__``, 14-40 us measured) once per mesh,
+    placements and global shape, and its holders (:func:`solo.holders`) once per mesh and
+    placements; the 70B state's 2169 DTensors have 6 (placements, shape) keys."""
     specs, data = [], {}
     meshes: dict = {}  # (id(mesh), placements) -> holders
     boxes: dict = {}  # (id(mesh), placements, global shape) -> (offsets, sizes)
