@@ -4,7 +4,8 @@ mapped from SLURM_* by ``fastckpt resume``) or by torchrun:
 
 Every step's batch is a function of the step alone, so a run that is stopped, requeued and
 resumed must produce exactly the losses and final parameters of an uninterrupted run. Rank 0
-appends ``step loss.hex() restart_count`` to ``OUT/losses`` after each step and writes the
+appends ``restart_count resumed_step`` to ``OUT/runs`` once it has resumed (``-1``: a fresh
+start), ``step loss.hex() restart_count`` to ``OUT/losses`` after each step, and writes the
 final parameters and Adam state to ``OUT/final.pt`` at the end."""
 
 import os
@@ -29,6 +30,9 @@ def main() -> None:
     ck = fastckpt.Checkpointer(root)  # the windows come from FASTCKPT_*_GRACE_S
     start = ck.resume(state)
     restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+    if rank == 0:  # a run may have no step left to do (warned after the last): it shows here
+        with open(os.path.join(out, "runs"), "a") as f:
+            f.write(f"{restarts} {-1 if start is None else start}\n")
     for step in range(0 if start is None else start + 1, steps):
         g = torch.Generator().manual_seed(step)
         x = torch.randn(8 * world, 16, generator=g)[rank * 8:(rank + 1) * 8]

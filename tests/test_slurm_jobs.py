@@ -124,12 +124,19 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes_bit_exact(slurm, tm
     assert runs[-1]["ExitCode"] == "0:0"
     assert "signals passed on: SIGUSR1" in log and f"job {job} requeued" in log, log
     losses = _same_as_reference(out, reference)
-    # each run resumed from the step the previous one stopped at
-    counts = [n for _, _, n in losses]
-    assert counts == sorted(counts) and counts[-1] == str(len(runs) - 1), counts
-    for n in range(1, len(runs)):
-        first = next(int(s) for s, _, c in losses if c == str(n))
-        assert f"resuming from step {first - 1}" in log, (n, first)
+    # each run resumed from the step the previous one stopped at. A run warned after the
+    # last step has none left to do (it resumes, finds nothing, ends 0), and one warned before
+    # it resumed logs nothing: the job's own restart counter, not the step log, counts runs
+    counts = [int(n) for _, _, n in losses]
+    assert counts == sorted(counts), counts
+    started = [tuple(map(int, line.split())) for line in open(os.path.join(out, "runs"))]
+    assert [n for n, _ in started] == sorted({n for n, _ in started}), started
+    assert started[0] == (0, -1) and started[-1][0] == len(runs) - 1, (started, runs)
+    for n, resumed in started[1:]:
+        done = [int(s) for s, _, c in losses if int(c) < n]
+        assert resumed == max(done), (n, resumed, started)  # the last step before this run
+        assert f"resuming from step {resumed}" in log, (n, resumed)
+        assert all(int(s) > resumed for s, _, c in losses if int(c) == n), (n, resumed)
     # requeued and started again seconds later, not after Slurm's ~2 min BeginTime
     for a, b in zip(runs, runs[1:]):
         gap = (time.mktime(time.strptime(b["Start"], "%Y-%m-%dT%H:%M:%S"))
