@@ -1424,7 +1424,8 @@ def manifest_cost(n: int, gathered: list, tree: Any) -> dict:
         rows = -(-shape[0] // m)
         lo = min(shape[0], mr * rows)
         boxes[fqn] = (tuple([lo] + [0] * (len(shape) - 1)),
-                      tuple([min(shape[0], lo + rows) - lo] + list(shape[1:])), 0)
+                      tuple([min(shape[0], lo + rows) - lo] + list(shape[1:])),
+                      ((m,), (("S", 0),)))
     t4 = time.perf_counter()
     sel = idx.writers_of(body, boxes)
     half = idx.expand(fmt.decode_manifest(data4, file="manifest.json"),

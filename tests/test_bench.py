@@ -357,3 +357,19 @@ def test_plan_step_benchmark_runs_the_real_marking_at_the_70b_geometry(tmp_path)
     assert fsdp["solo"] == fsdp["writes"] == 2169
     assert hsdp["solo"] == 2169 and 0 < hsdp["writes"] < 2169, hsdp
     assert all(v > 0 for v in fsdp["ms"].values()) and doc["git"]
+
+
+def test_index_select_benchmark_places_the_70b_boxes_at_another_world_size(tmp_path):
+    """``bench_index_select.py`` 64 -> 32 ranks: under FSDP2 the middle restarted rank reads
+    the 2 indexes its rows are in; under HSDP and FSDP2 + TP (strided) it reads some, never
+    every one (64) nor none, and the guess is made for every layout."""
+    out = tmp_path / "index-select.json"
+    r = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_index_select.py"),
+                        "--saved", "64", "--restarted", "32", "--reps", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    doc = json.load(open(out))["layouts"]
+    assert doc["fsdp"]["indexes_read"] == 2 and doc["fsdp"]["boxes"] == 2169, doc
+    for name in ("hsdp", "fsdp_tp"):
+        assert 0 < doc[name]["indexes_read"] < 64, doc
+    assert doc["fsdp_tp"]["restarted_mesh"] == [4, 8]

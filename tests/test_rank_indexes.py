@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 
@@ -528,6 +529,93 @@ def _hsdp(rank, world, root, save):
     return {k: v.full_tensor() for k, v in state.items()}, read
 
 
+def _two_dim(rank, world, root, shape, save):
+    """FSDP + TP-style DTensors sharded on two dims (``Shard(0), Shard(1)`` over a ``shape``
+    mesh: rows over the first mesh dim, columns over the second), saved with per-rank indexes
+    or loaded into fresh ones; (the full tensors, the index files this rank read)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor, zeros
+
+    mesh = init_device_mesh("cpu", shape)
+    place = [Shard(0), Shard(1)]
+    dims = {"w": (8, 6), "u": (4, 10)}
+    if save:
+        state = {k: distribute_tensor(torch.arange(float(math.prod(d))).reshape(d) + i, mesh,
+                                      place) for i, (k, d) in enumerate(dims.items())}
+        with fastckpt.Checkpointer(root, rank_indexes=1) as ck:
+            ck.save(state, step=1, block=True)
+        return {k: v.full_tensor() for k, v in state.items()}, []
+    with _index_reads() as read:
+        state = {k: zeros(d, device_mesh=mesh, placements=place) for k, d in dims.items()}
+        fastckpt.load(state, root)
+    return {k: v.full_tensor() for k, v in state.items()}, read
+
+
+@pytest.mark.parametrize("shape,want_read", [
+    # the (2, 1) mesh: this mesh's first dim scaled (rows over 4: ranks {0, 1} hold rows 0-3
+    # of w) or its second ((2, 2), as saved): either way rank 0's rows are in {0, 1}
+    ((2, 1), [{0, 1}, {2, 3}]),
+    # the (1, 2) mesh: as saved ((2, 2): rank 0's columns 0-2 of w in ranks {0, 2}) or columns
+    # over 4 (w's columns 0-1 and 2-3 in ranks {0, 1}): the two guesses' union
+    ((1, 2), [{0, 1, 2}, {1, 2, 3}]),
+])
+def test_a_two_dim_sharded_state_at_another_world_size_reads_the_indexes_its_boxes_meet(
+        tmp_path, shape, want_read):
+    """Saved by 4 ranks on a 2 x 2 mesh (FSDP + TP: ``Shard(0), Shard(1)``), restarted on 2:
+    each rank reads the indexes of the saving ranks whose boxes, cut as torch cuts them on its
+    mesh scaled to 4 ranks, meet its own, not every index. Bit-exact."""
+    root = str(tmp_path / "2d")
+    want = run(_two_dim, 4, root, (2, 2), True)[0][0]
+    save_id = _doc(root, 1)["body"]["save_id"]
+    for r, (got, read) in enumerate(run(_two_dim, 2, root, shape, False)):
+        assert sorted(read) == sorted(idx.index_name(k, save_id) for k in want_read[r]), (r, read)
+        for k, v in want.items():
+            assert torch.equal(got[k], v), (r, k)
+
+
+def _fsdp_tp(rank, world, root, shape, save):
+    """FSDP2 + TP on a ``(dp, tp)`` mesh: a column-wise layer (FSDP2 cuts TP's ``Shard(0)``
+    again: ``_StridedShard(0), Shard(0)``) and a row-wise one (``Shard(0), Shard(1)``), with
+    Adam after a step; saved with per-rank indexes, or loaded into a fresh model; (the full
+    state, the index files this rank read)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0 if save else 1)
+    m = torch.nn.Sequential(torch.nn.Linear(12, 16, bias=False), torch.nn.ReLU(),
+                            torch.nn.Linear(16, 12, bias=False))
+    parallelize_module(m, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(m, mesh=mesh["dp"])
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    if save:
+        m(torch.randn(4, 12)).pow(2).mean().backward()
+        opt.step()
+        with fastckpt.Checkpointer(root, rank_indexes=1) as ck:
+            ck.save({"model": m, "optim": opt}, step=1, block=True)
+        return full_state(m, opt), []
+    with _index_reads() as read:
+        fastckpt.load({"model": m, "optim": opt}, root)
+    return full_state(m, opt), read
+
+
+def test_fsdp2_with_tp_at_another_world_size_reads_the_indexes_its_boxes_meet(tmp_path):
+    """Real FSDP2 + TP (its ``_StridedShard``), saved by 4 ranks on a 2 x 2 ``(dp, tp)`` mesh,
+    restarted on 2 as 1 x 2: each rank reads the indexes its boxes meet on either guess (dp
+    scaled: 2 x 2, as saved; tp scaled: 1 x 4), 3 of 4, where it read every index before.
+    Weights and Adam moments bit-exact."""
+    root = str(tmp_path / "tp")
+    want = run(_fsdp_tp, 4, root, (2, 2), True)[0][0]
+    save_id = _doc(root, 1)["body"]["save_id"]
+    # rank 0 holds rows 0-7 of the column-wise weight (saved: in dp 0 and dp 1 of tp 0, ranks
+    # 0 and 2; on 1 x 4, ranks 0 and 1) and columns 0-7 of the row-wise one (the same ranks)
+    for r, (got, read) in enumerate(run(_fsdp_tp, 2, root, (1, 2), False)):
+        assert sorted(read) == sorted(idx.index_name(k, save_id)
+                                      for k in ({0, 1, 2}, {1, 2, 3})[r]), (r, read)
+        assert_same(want, got)
+
+
 def test_hsdp_replicas_at_the_saved_world_size_read_their_own_and_their_replicas_indexes(
         tmp_path):
     """A box replicated over a mesh dim is written by the replica its replicas elect
@@ -564,14 +652,98 @@ def test_writers_of_places_each_box_in_the_even_split():
     body = {"world_size": 4, "inline": {"s": []},
             "tensors": {"w": {"shape": [33, 10]}, "b": {"shape": [7]}, "s": {"shape": []},
                         "z": {"shape": [0, 3]}}}
+    fsdp = ((2,), (("S", 0),))  # FSDP2 at 2 ranks: Shard(0)
     # rows 9-26 of w lie in saving ranks 1 and 2 (9 rows each); the last row of b in rank 3
-    assert idx.writers_of(body, {"w": ((9, 0), (18, 10), 0), "b": ((6,), (1,), 0)}) == {1, 2, 3}
+    assert idx.writers_of(body, {"w": ((9, 0), (18, 10), fsdp), "b": ((6,), (1,), fsdp)}) \
+        == {1, 2, 3}
     assert idx.writers_of(body, {"s": ((), (), None)}) == frozenset()  # inline: no index
-    assert idx.writers_of(body, {"z": ((0, 0), (0, 3), 0)}) == frozenset()  # an empty box
+    assert idx.writers_of(body, {"z": ((0, 0), (0, 3), fsdp)}) == frozenset()  # an empty box
     assert idx.writers_of(body, {"w": ((0, 0), (33, 10), None)}) is None  # whole, not inline
-    assert idx.writers_of(body, {"w": ((0,), (33,), 0)}) is None  # not w's dimensions
-    assert idx.writers_of(body, {"w": ((0, 0), (33, 10), 5)}) is None  # no such dim
-    assert idx.writers_of(body, {"missing": ((0,), (1,), 0)}) == frozenset()
+    assert idx.writers_of(body, {"w": ((0,), (33,), fsdp)}) is None  # not w's dimensions
+    assert idx.writers_of(body, {"w": ((0, 0), (33, 10), ((2,), (("S", 5),)))}) is None
+    # a 2 x 3 mesh scales to 4 ranks as 2 x 2, to 5 ranks on no dim: no guess
+    two_three = ((2, 3), (("S", 0), ("S", 1)))
+    assert idx.writers_of(body, {"w": ((0, 0), (17, 4), two_three)}) == {0}
+    assert idx.writers_of({**body, "world_size": 5}, {"w": ((0, 0), (17, 4), two_three)}) is None
+    assert idx.writers_of(body, {"missing": ((0,), (1,), fsdp)}) == frozenset()
+    # replicated (HSDP's Replicate, Shard(0) on 2 x 1): every replica of the rows' shards
+    assert idx.writers_of(body, {"w": ((0, 0), (17, 10), ((2, 1), (("R",), ("S", 0))))}) \
+        == {0, 1, 2, 3}  # (2 x 2: rows 0-16 in {0, 2}; 4 x 1: every rank holds them)
+
+
+def test_writers_of_meets_torchs_boxes_on_every_scaled_mesh():
+    """Against torch's own cut (``_get_shard_size_and_offsets``, placement by placement: the
+    exact rows each saving rank holds, strided ones included) for random shapes, meshes of
+    1-3 dims and ``Shard`` / ``_StridedShard`` / ``Replicate`` placements (two mesh dims
+    sharding one tensor dim included), loaded at a smaller or larger world size: the ranks
+    ``writers_of`` names are exactly those whose non-empty boxes meet the loading rank's box,
+    over each mesh dim that scales to the saved world size."""
+    import itertools
+    import random
+
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def rows_of(shape, mesh, coord, places):
+        """Per tensor dim, the set of global rows the rank at ``coord`` holds (None: all)."""
+        rows, local = [None] * len(shape), list(shape)
+        for i, p in enumerate(places):
+            if p[0] == "R":
+                continue
+            pl = Shard(p[1]) if p[0] == "S" else _StridedShard(p[1], split_factor=p[2])
+            size, offs = _get_shard_size_and_offsets(local[p[1]], mesh[i], coord[i], pl,
+                                                     rows[p[1]], shape[p[1]], False)
+            local[p[1]], rows[p[1]] = size, offs if size else torch.arange(0)
+        return [None if r is None else set(r.tolist()) for r in rows], local
+
+    def fsdp_factor(places, mesh):  # FSDP2's split factor: the later mesh dims' on that dim
+        return tuple(("T", p[1], max(1, math.prod(
+            mesh[q] for q in range(i + 1, len(mesh))
+            if places[q][0] in "ST" and places[q][1] == p[1]))) if p[0] == "T" else p
+            for i, p in enumerate(places))
+
+    rng, checked, strided, nested = random.Random(0), 0, 0, 0
+    for _ in range(1200):
+        shape = tuple(rng.randint(1, 40) for _ in range(rng.randint(1, 2)))
+        mesh = tuple(rng.randint(1, 4) for _ in range(rng.randint(1, 3)))
+        places = tuple(rng.choice([("S", rng.randrange(len(shape))), ("R",),
+                                   ("T", rng.randrange(len(shape)), rng.randint(1, 4))])
+                       for _ in mesh)
+        if rng.random() < 0.7:
+            places = fsdp_factor(places, mesh)
+        m, f = math.prod(mesh), rng.choice([1, 2, 3, 4])
+        n = m * f if rng.random() < 0.5 else max(1, m // f)
+        mine, local = rows_of(shape, mesh, [rng.randrange(k) for k in mesh], places)
+        if not all(local):
+            continue  # (an empty box)
+        spans = [(0, d) if r is None else (min(r), max(r) + 1) for r, d in zip(mine, shape)]
+        if any(r is not None and len(r) != b - a for r, (a, b) in zip(mine, spans)):
+            continue  # (rows that are not one box: refused on save)
+        offsets, sizes = tuple(a for a, _ in spans), tuple(b - a for a, b in spans)
+        body = {"world_size": n, "tensors": {"t": {"shape": list(shape)}}}
+        got = idx.writers_of(body, {"t": (offsets, sizes, (mesh, places))})
+        want, scaled = set(), False
+        for k in range(len(mesh)):
+            if mesh[k] * n % m:
+                continue
+            scaled, saved = True, (*mesh[:k], mesh[k] * n // m, *mesh[k + 1:])
+            # FSDP2's split factor on the saving mesh: the later dims' there (a factor that
+            # was not FSDP2's on this mesh stays)
+            places_saved = tuple(
+                fsdp_factor(places, saved)[i] if p[0] == "T" and p == fsdp_factor(places, mesh)[i]
+                else p for i, p in enumerate(places))
+            for r, c in enumerate(itertools.product(*map(range, saved))):
+                theirs, size = rows_of(shape, saved, c, places_saved)
+                if all(size) and all(t is None or any(a <= x < a + z for x in t)
+                                     for t, a, z in zip(theirs, offsets, sizes)):
+                    want.add(r)
+        assert got == (frozenset(want) if scaled else None), (shape, mesh, places, n, got, want)
+        checked += 1
+        strided += any(p[0] == "T" for p in places)
+        shards = [p[1] for p in places if p[0] in "ST"]
+        nested += len(shards) > len(set(shards))
+    assert checked > 800 and strided > 300 and nested > 200, (checked, strided, nested)
 
 
 def test_a_damaged_index_of_another_rank_still_skips_the_step_on_every_rank(tmp_path, caplog):

@@ -28,16 +28,17 @@ saved world size then reads the manifest and **its own index only** (:func:`read
 ``own``): its shards of every DTensor are in its index, its per-rank values too, and the
 replicated values are inline. The load checks that the chunks it has cover every box it reads
 and falls back to every index when they do not (another sharding). At another world size
-(:func:`writers_of`) it reads the indexes of the saving ranks whose rows of an even split its
-boxes meet, under the same check.
+(:func:`writers_of`) it reads the indexes of the saving ranks whose boxes, cut as torch cuts
+them on this mesh scaled to the saved world size, its boxes meet, under the same check.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -82,30 +83,147 @@ def encode_index(rank: int, save_id: str, files: list[dict]) -> tuple[bytes, dic
 
 
 def writers_of(body: dict, boxes: dict) -> frozenset | None:
-    """The saving ranks whose indexes should hold the chunks of ``boxes`` (fqn -> (offsets,
-    sizes, dim)): the box of a restarted rank, in a tensor the step holds as an even split on
-    ``dim`` over its saved world size N, rank by rank (a DTensor ``Shard(dim)`` on a 1-D mesh,
-    FSDP2's layout: ceil(D / N) rows per rank, as ``torch.chunk`` cuts), lies in the ranks
-    whose rows it meets: about N / M + 1 indexes at world size M, not N. A tensor with inline
-    chunks needs no index; a box with ``dim`` None (a whole tensor that is not inline) returns
-    None: every index. The guess is only a guess: the caller checks that the chunks read cover
-    every box (and reads every index when they do not: another mesh, another sharding)."""
+    """The saving ranks whose indexes should hold the chunks of ``boxes``: fqn -> (offsets,
+    sizes, layout) of a restarted rank's box, ``layout`` its DTensor's ``(mesh shape,
+    placements)`` (one per mesh dim: ``("S", d)`` a ``Shard(d)``, ``("R",)`` a ``Replicate``;
+    a mesh of every rank in order) or None for a regular tensor.
+
+    The step was saved by N ranks, the restart runs M. The guess: the saving mesh was this
+    mesh with one dim scaled by N / M (each dim that scales to a whole size is tried: FSDP2's
+    1-D ``Shard(0)``, the data-parallel dim of FSDP + TP or of HSDP), each box cut as torch
+    cuts it (``torch.chunk``: ceil(D / k) per coordinate, nested when two mesh dims shard one
+    tensor dim). The ranks whose saved boxes meet this box are read, all of a replicated
+    dim's (the replica that wrote a box is elected by the whole group's boxes): ~N / M + 1
+    indexes of N under FSDP2. A tensor with inline chunks needs no index; a whole regular
+    tensor that is not inline, or a box no guess places, returns None: every index. The guess
+    is only a guess: the caller checks that the chunks read cover every box (and reads every
+    index when they do not: another mesh, another sharding)."""
     n = body["world_size"]
     inline = body.get("inline") or {}
     out: set[int] = set()
-    for fqn, (offsets, sizes, dim) in boxes.items():
+    memo: dict[tuple, frozenset | None] = {}  # (the 70B state: a few keys for 2169 tensors)
+    for fqn, (offsets, sizes, layout) in boxes.items():
         t = body["tensors"].get(fqn)
         if fqn in inline or t is None or any(s == 0 for s in sizes):
             continue  # (a tensor the step does not hold: the planner's error, later)
-        shape = t["shape"]
-        if dim is None or not 0 <= dim < len(shape) or len(offsets) != len(shape):
+        shape = tuple(t["shape"])
+        if layout is None or len(offsets) != len(shape) or len(sizes) != len(shape):
             return None
-        rows = -(-shape[dim] // n)
-        if rows == 0:
-            continue
-        lo, hi = offsets[dim], offsets[dim] + sizes[dim]
-        out.update(range(max(0, lo // rows), min(n, (hi - 1) // rows + 1)))
+        key = (shape, tuple(offsets), tuple(sizes), layout)
+        if key not in memo:
+            memo[key] = _meeting(n, shape, key[1], key[2], *layout)
+        if memo[key] is None:
+            return None
+        out |= memo[key]
     return frozenset(out)
+
+
+def _meeting(n: int, shape: tuple, offsets: tuple, sizes: tuple, mesh: tuple,
+             places: tuple) -> frozenset | None:
+    """(:func:`writers_of`) The saving ranks of every guessed saving mesh whose boxes meet
+    ``offsets``/``sizes``; None where no mesh dim scales to ``n`` ranks or a placement is
+    not one of ours."""
+    m = math.prod(mesh)
+    if m < 1 or len(places) != len(mesh) or not all(
+            p == ("R",) or (len(p) == 2 and p[0] == "S" and 0 <= p[1] < len(shape))
+            or (len(p) == 3 and p[0] == "T" and 0 <= p[1] < len(shape) and p[2] >= 1)
+            for p in places):
+        return None
+    scaled = [k for k in range(len(mesh)) if mesh[k] * n % m == 0]
+    out: set[int] = set()
+    for k in scaled:
+        saved = (*mesh[:k], mesh[k] * n // m, *mesh[k + 1:])
+        out |= _ranks_meeting(shape, offsets, sizes, saved, _refactored(places, mesh, saved))
+    return frozenset(out) if scaled else None
+
+
+def _refactored(places: tuple, mesh: tuple, saved: tuple) -> tuple:
+    """A strided shard's split factor on the guessed ``saved`` mesh: FSDP2's is the size of
+    the mesh dims after it that shard the same dim (TP's), so it scales with them; one that
+    is not that product on this mesh is kept as it is."""
+    out = []
+    for i, p in enumerate(places):
+        if p[0] == "T":
+            later = [q for q in range(i + 1, len(places)) if places[q][0] in "ST"
+                     and places[q][1] == p[1]]
+            if p[2] == math.prod(mesh[q] for q in later):
+                p = ("T", p[1], math.prod(saved[q] for q in later))
+        out.append(p)
+    return tuple(out)
+
+
+def _ranks_meeting(shape: tuple, offsets: tuple, sizes: tuple, mesh: tuple,
+                   places: tuple) -> set[int]:
+    """The ranks of ``mesh`` (row-major) whose box of a tensor of ``shape`` under ``places``
+    meets the box ``offsets``/``sizes``: per tensor dim, the coordinates of the mesh dims that
+    shard it (in mesh order, each cutting what the ones before left, as torch does) whose
+    rows meet the box's range; every coordinate of a replicated mesh dim."""
+    groups: list[tuple[list[int], list]] = []  # (mesh dims, their coordinates that meet)
+    for d in range(len(shape)):
+        dims = [i for i, p in enumerate(places) if p[0] in "ST" and p[1] == d]
+        if not dims:
+            continue
+        lo, hi = offsets[d], offsets[d] + sizes[d]
+        hits: list = [((), [(0, shape[d])])]  # (partial coordinate, the rows it holds)
+        for i in dims:
+            sf = places[i][2] if places[i][0] == "T" else None
+            nxt = []
+            for c, spans in hits:
+                js: Any = range(mesh[i])
+                if len(spans) == 1:  # contiguous: only the chunks that meet, per split
+                    js = sorted({j for x, y in _splits(*spans[0], sf)
+                                 for j in _meets(x, y, mesh[i], lo, hi)})
+                for j in js:
+                    rows = _cut(spans, mesh[i], j, sf)
+                    if any(x < hi and lo < y for x, y in rows):
+                        nxt.append(((*c, j), rows))
+            hits = nxt
+        groups.append((dims, [c for c, _ in hits]))
+    ranks = {0}
+    sharded = {i for dims, _ in groups for i in dims}
+    stride = [math.prod(mesh[i + 1:]) for i in range(len(mesh))]
+    for i in range(len(mesh)):
+        if i not in sharded:  # a replicated dim: every coordinate
+            ranks = {r + j * stride[i] for r in ranks for j in range(mesh[i])}
+    for dims, hits in groups:
+        ranks = {r + sum(j * stride[i] for i, j in zip(dims, c)) for r in ranks for c in hits}
+    return ranks
+
+
+def _splits(a: int, b: int, sf: int | None) -> list:
+    """Rows ``[a, b)`` as a ``_StridedShard`` of ``sf`` sees them: ``sf`` splits of
+    ceil(L / sf) rows (a ``Shard``: one)."""
+    if sf is None:
+        return [(a, b)]
+    step = -(-(b - a) // sf)
+    return [(min(b, a + s * step), min(b, a + (s + 1) * step)) for s in range(sf)]
+
+
+def _meets(x: int, y: int, k: int, lo: int, hi: int) -> range:
+    """The chunks (ceil((y - x) / k) rows each) of rows ``[x, y)`` that meet ``[lo, hi)``."""
+    step = -(-(y - x) // k)
+    if not step:
+        return range(0)
+    return range(max(0, (lo - x) // step), min(k, (hi - 1 - x) // step + 1))
+
+
+def _cut(spans: list, k: int, j: int, sf: int | None) -> list:
+    """The rows coordinate ``j`` of ``k`` keeps of ``spans`` (the rows held so far, in local
+    order): ``Shard``'s ceil(L / k) chunk, or ``_StridedShard``'s (``sf``): the L rows in
+    ``sf`` splits of ceil(L / sf), chunk ``j`` of each split (torch's
+    ``_StridedShard.local_shard_size_and_offset``)."""
+    out: list = []
+    parts = _splits(0, sum(b - a for a, b in spans), sf)
+    for s0, s1 in parts:
+        step = -(-(s1 - s0) // k)
+        p0, p1 = s0 + min(s1 - s0, j * step), s0 + min(s1 - s0, (j + 1) * step)
+        pos = 0
+        for a, b in spans:  # positions [p0, p1) of the local order, as rows
+            x, y = max(p0, pos), min(p1, pos + b - a)
+            if x < y:
+                out.append((a + x - pos, a + y - pos))
+            pos += b - a
+    return out
 
 
 def _key(c: dict) -> tuple:
