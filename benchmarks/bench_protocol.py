@@ -1432,6 +1432,7 @@ def manifest_cost(n: int, gathered: list, tree: Any) -> dict:
                       [d if r in sel else None for r, (d, _) in enumerate(docs)],
                       file="manifest.json", step_dir="step-1", own=sel)
     t5 = time.perf_counter()
+    pick = step_pick_cost(data4, docs)
     inline_chunks = sum(len(cs) for cs in body.get("inline", {}).values())
     out["indexed"] = {"index_bytes_per_rank": round(sum(len(d) for d, _ in docs) / n),
                       "rank_encode_index_s": round(encode_s, 4),
@@ -1449,8 +1450,49 @@ def manifest_cost(n: int, gathered: list, tree: Any) -> dict:
                       "reader_half_world": {"world": m, "rank": mr, "indexes_read": len(sel),
                                             "s": round(t5 - t4, 3),
                                             "chunks": sum(len(tt["chunks"])
-                                                          for tt in half["tensors"].values())}}
+                                                          for tt in half["tensors"].values())},
+                      "step_pick": pick}
     return out
+
+
+def step_pick_cost(data: bytes, docs: list) -> dict:
+    """What picking the step to resume costs (``fastckpt resume``, ``ls``: one process; under
+    srun, once per rank): the manifest and its N index files written to a local step directory,
+    then ``find_step`` reading and merging every index (before 2026-12-06) against
+    ``newest_committed`` (the manifest and one listing: each index there with its pinned
+    size). Page cache warm (the files were just written): the reading side's CPU, not a
+    disk's. Medians of 3, interleaved."""
+    import shutil
+    import tempfile
+
+    from fastckpt.manifest import index as idx
+    from fastckpt.manifest.discovery import find_step
+    from fastckpt.storage import open_storage
+    from fastckpt.tools import newest_committed
+    tmp = tempfile.mkdtemp(prefix="fastckpt-pick-")
+    try:
+        d = os.path.join(tmp, fmt.step_dirname(1))
+        os.makedirs(d)
+        save_id = json.loads(data)["body"]["save_id"]
+        for r, (doc, _) in enumerate(docs):
+            with open(os.path.join(d, idx.index_name(r, save_id)), "wb") as f:
+                f.write(doc)
+        with open(os.path.join(d, fmt.MANIFEST), "wb") as f:
+            f.write(data)
+        st = open_storage(tmp)
+        every, listed = [], []
+        for _ in range(3):
+            t = time.perf_counter()
+            find_step(st)
+            every.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            newest_committed(st)
+            listed.append(time.perf_counter() - t)
+        return {"every_index_s": round(statistics.median(every), 3),
+                "listed_s": round(statistics.median(listed), 4),
+                "index_bytes": sum(len(doc) for doc, _ in docs)}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def realistic_gather(job: "Job", worlds: list[int], a: argparse.Namespace,

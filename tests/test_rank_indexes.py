@@ -235,6 +235,51 @@ def test_a_bad_index_is_named_and_the_older_step_loads(tmp_path, fault, caplog):
         verify_step(root, 2, record=False)
 
 
+def _grown(root, step):  # one byte more than the manifest pins
+    with open(_index_path(root, step), "ab") as f:
+        f.write(b" ")
+
+
+@pytest.mark.parametrize("fault", [None, _missing, _grown, _damaged])
+def test_resume_and_ls_check_the_indexes_in_a_listing_without_reading_them(tmp_path, fault):
+    """``fastckpt resume`` (``newest_committed``), ``ls`` and ``verify --all``'s listing pick
+    and describe steps from the manifest and one listing of the step directory: each index
+    present with its pinned size, none read (at N ranks, N reads before every restart). A
+    missing or resized index makes the step damaged, named, and the older step is resumed;
+    a same-size damage is the load's and verify's to find (the load then falls back)."""
+    from fastckpt.tools import describe_steps, newest_committed
+    root = str(tmp_path / "listed")
+    _two_steps(root)
+    if fault:
+        fault(root, 2)
+    size = _doc(root, 2)["body"]["indexes"][0]["size"]
+    want = {_missing: "is missing", _grown: f"holds {size + 1} bytes; the manifest says {size}"
+            }.get(fault)
+    skipped: list = []
+    with _index_reads() as read:
+        step, _, body = newest_committed(root, skipped=skipped)
+        recs = {r.step: r for r in describe_steps(root, indexes="listed")}
+    assert read == [], read
+    assert recs[1].state == "committed" and recs[1].tensors == 2  # (w, b)
+    if fault in (None, _damaged):
+        assert step == 2 and not skipped and recs[2].state == "committed", (skipped, recs[2])
+        assert "chunks" not in body["tensors"]["w"]  # (not read)
+    else:
+        name = idx.index_name(0, _doc(root, 2)["body"]["save_id"])
+        assert step == 1 and len(skipped) == 1 and recs[2].state == "corrupt", recs[2]
+        for msg in (str(skipped[0]), recs[2].error):
+            assert f"the chunk index of rank 0 ({name})" in msg and want in msg, msg
+    if fault is _damaged:  # the load reads it, finds it damaged, and loads step 1
+        assert _load_step(root, None)["step"] == 1
+        with pytest.raises(CorruptCheckpointError):
+            verify_step(root, 2, record=False)
+    # describe's default (gc decides on it) still reads and checks every index
+    with _index_reads() as read:
+        full = {r.step: r for r in describe_steps(root)}
+    assert len(read) == (1 if fault in (_missing, _grown) else 2), read
+    assert full[2].state == ("committed" if fault is None else "corrupt"), full[2]
+
+
 @pytest.mark.parametrize("edit, want", [
     (lambda b: b["indexes"][0].update(file="../r00000-x.fci"), "not a valid index file name"),
     (lambda b: b["indexes"].append(dict(b["indexes"][0])), "one entry per rank"),
@@ -277,6 +322,29 @@ def test_a_direct_s3_save_writes_and_reads_its_index(s3):
     dest = {"w": torch.zeros(MiB // 4), "step": 0}
     assert fastckpt.load(dest, url, storage_options=_opts(s3)) == 4
     assert torch.equal(dest["w"], state["w"])
+    # one listing gives the step's sizes (ListObjectsV2's); resume and ls check the index
+    # against it, reading none (memory://, fsspec's listing, the same)
+    from fastckpt.tools import describe_steps, newest_committed
+    for where in (url, "memory://listed-idx"):
+        if where.startswith("memory"):
+            fastckpt.save(state, where, step=4, rank_indexes=1)
+        st = open_storage(where, storage_options=_opts(s3) if where == url else None)
+        d = st.join(fmt.step_dirname(4))
+        body = fmt.decode_manifest(st.read_bytes(f"{d}/{fmt.MANIFEST}"), file="m")
+        entry = body["indexes"][0]
+        sizes = st.sizes(d)
+        assert sizes[entry["file"]] == entry["size"], sizes
+        assert sizes[fmt.MANIFEST] == st.size(f"{d}/{fmt.MANIFEST}")
+        reads = []
+        real = type(st).read_bytes
+        type(st).read_bytes = lambda self, p, *a, **k: reads.append(p) or real(self, p, *a, **k)
+        try:
+            step, _, b = newest_committed(st)
+            (rec,) = describe_steps(st, indexes="listed")
+        finally:
+            type(st).read_bytes = real
+        assert step == 4 and "chunks" not in b["tensors"]["w"] and rec.committed, rec
+        assert not [p for p in reads if p.endswith(idx.INDEX_SUFFIX)], reads
 
 
 def test_the_remote_tier_uploads_each_ranks_index(tmp_path, s3):

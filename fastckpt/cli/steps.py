@@ -211,13 +211,15 @@ def ls_cmd(root: str, as_json: bool, grace: float | None) -> int:
     from ..tools import describe_steps, display_path
     from ..tools import remote_tier
     storage = _storage(root, must_exist=True)
-    recs = describe_steps(storage, grace=INFLIGHT_GRACE_S if grace is None else grace)
+    recs = describe_steps(storage, grace=INFLIGHT_GRACE_S if grace is None else grace,
+                          indexes="listed")
     rootd = display_path(storage, storage.root)
     remote = remote_tier(storage)
     rrecs, rerr = [], None
     if remote is not None:
         try:
-            rrecs = describe_steps(remote[1], grace=INFLIGHT_GRACE_S if grace is None else grace)
+            rrecs = describe_steps(remote[1], grace=INFLIGHT_GRACE_S if grace is None else grace,
+                                   indexes="listed")
         except Exception as e:  # noqa: BLE001 - shown, the local tier is still listed
             rerr = f"{type(e).__name__}: {e}"
     if as_json:
@@ -353,8 +355,8 @@ def _verify_tier(storage: Any, step: int | None, all_steps: bool, jobs: int, no_
     problems_outside: list[dict] = []
     rootd = display_path(storage, storage.root)
     try:
-        if all_steps:
-            recs = describe_steps(storage)
+        if all_steps:  # (each step's indexes are read by its verification)
+            recs = describe_steps(storage, indexes="listed")
             for r in recs:
                 if r.state == "corrupt":
                     problems_outside.append({"step": r.step, "path": r.path, "ok": False,

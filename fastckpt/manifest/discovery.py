@@ -40,14 +40,17 @@ def list_steps(storage: Storage) -> list[tuple[int, str]]:
 
 
 def read_manifest(storage: Storage, step_dir: str, *, step: int | None = None,
-                  chunks: bool = True, own: "Own" = None) -> dict | None:
+                  chunks: bool | str = True, own: "Own" = None) -> dict | None:
     """The validated manifest body of a step directory; None if it has no manifest (or it was
     removed between the stat and the read). CorruptCheckpointError when it is damaged, crafted,
     too large, or not a regular file; StorageError when the storage cannot be read.
 
     A version-4 manifest's chunk lists are in per-rank index files (fastckpt/manifest/index.py),
     read and merged here; ``chunks=False`` skips them (the body then has no ``chunks`` in its
-    tensors): for callers that need only the step, its save id, files or metadata.
+    tensors): for callers that need only the step, its save id, files or metadata;
+    ``chunks="listed"`` skips them too but checks, in one listing of the directory, that each
+    index is there with its pinned size (``index.check_listed``): what ``fastckpt resume``
+    and the tools that pick a step need, at any world size, without N index reads.
     ``own=(rank, world_size)``: when the step was saved with indexes by ``world_size`` ranks,
     read ``rank``'s index only: a partial body (:func:`fastckpt.manifest.index.expand`), which
     :func:`is_partial` tells apart. ``own`` may also be a function of the manifest's body (the
@@ -70,6 +73,13 @@ def read_manifest(storage: Storage, step_dir: str, *, step: int | None = None,
             return None
         raise
     body = fmt.decode_manifest(data, file=path, step=step)
+    if chunks == "listed" and "indexes" in body:
+        from .index import check_listed
+        sizes = storage.sizes(step_dir)
+        if fmt.MANIFEST not in sizes:
+            return None  # removed since it was read: retention or gc
+        check_listed(body, sizes, file=path, step_dir=step_dir)
+        return body
     if chunks and "indexes" in body:
         from .index import read_indexes
         return read_indexes(storage, step_dir, body, file=path, own=select_indexes(body, own))
@@ -112,7 +122,7 @@ def is_missing(e: BaseException) -> bool:
 
 def find_step(storage: Storage, step: int | None = None, *,
               skipped: list | None = None,
-              own: Own = None) -> tuple[int, str, dict]:
+              own: Own = None, chunks: bool | str = True) -> tuple[int, str, dict]:
     """The requested step, or the newest step with a valid manifest.
 
     ``step=None``: a step whose manifest is damaged is skipped with a warning naming it (and
@@ -128,11 +138,12 @@ def find_step(storage: Storage, step: int | None = None, *,
 
     ``step=N``: that step or CheckpointNotFoundError; a damaged manifest raises
     CorruptCheckpointError naming it. ``own``: see :func:`read_manifest` (a step is then
-    valid for this rank: only its own index was read).
+    valid for this rank: only its own index was read); ``chunks``: see :func:`read_manifest`
+    (``"listed"``: the indexes are checked present and sized, not read).
     """
     if step is not None:
         d = storage.join(fmt.step_dirname(step))
-        body = read_manifest(storage, d, step=step, own=own)
+        body = read_manifest(storage, d, step=step, own=own, chunks=chunks)
         if body is None:
             raise CheckpointNotFoundError(f"step {step} has no committed checkpoint under "
                                           f"{storage.root}", file=d)
@@ -143,7 +154,7 @@ def find_step(storage: Storage, step: int | None = None, *,
         hit = None
         for s, d in (reversed(listing) if newest_first else listing):
             try:
-                body = read_manifest(storage, d, step=s, own=own)
+                body = read_manifest(storage, d, step=s, own=own, chunks=chunks)
             except CorruptCheckpointError as e:
                 bad[s] = e
                 continue

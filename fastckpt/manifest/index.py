@@ -346,3 +346,21 @@ def read_indexes(storage: "Storage", step_dir: str, body: dict, *, file: str,
             f"{' and more' if len(lost) > 8 else ''}; the step is damaged (an older committed "
             "step still loads)", file=file)
     return expand(body, docs, file=file, step_dir=step_dir, own=own)
+
+
+def check_listed(body: dict, sizes: dict, *, file: str, step_dir: str) -> None:
+    """That every index a version-4 manifest names is in its step directory with the size the
+    manifest pins (``sizes``: name -> bytes, one listing of the directory), reading none of
+    them: what the step's tools and ``fastckpt resume`` check (their contents, by checksum,
+    are the load's and ``verify``'s). CorruptCheckpointError names the first ranks wrong."""
+    bad = [(r, e, sizes.get(e["file"])) for r, e in enumerate(body["indexes"])
+           if sizes.get(e["file"]) != e["size"]]
+    if not bad:
+        return
+    r, e, got = bad[0]
+    what = "is missing" if got is None else f"holds {got} bytes; the manifest says {e['size']}"
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    raise CorruptCheckpointError(
+        f"the chunk index of rank {r} ({e['file']}) {what}{more}; the step is damaged (an "
+        "older committed step still loads)", file=f"{step_dir}/{e['file']}" if got else file)
+

@@ -80,6 +80,12 @@ class Storage(abc.ABC):
     def listdir(self, path: str) -> list[str]:
         """Base names of the entries of ``path``; ``[]`` when it does not exist."""
 
+    def sizes(self, path: str) -> dict[str, int | None]:
+        """Base name -> size in bytes of the entries of ``path`` (``{}`` when it does not
+        exist), in one listing where the store gives sizes with it (local, S3, fsspec);
+        here, one ``size`` per entry."""
+        return {n: self.size(self.join(path, n)) for n in self.listdir(path)}
+
     @abc.abstractmethod
     def read_bytes(self, path: str) -> bytes:
         """Read a whole (small) file."""

@@ -213,6 +213,18 @@ class FsspecStorage(Storage):
             raise storage_error(e, "listing", self.display(path)) from e
         return sorted({n.rstrip("/").rsplit("/", 1)[-1] for n in names})
 
+    def sizes(self, path: str) -> dict[str, int | None]:
+        try:
+            self.fs.invalidate_cache(path)
+            infos = self._call("ls", path, detail=True)
+        except FileNotFoundError:
+            return {}
+        except Exception as e:
+            raise storage_error(e, "listing", self.display(path)) from e
+        return {str(i.get("name", "")).rstrip("/").rsplit("/", 1)[-1]: (
+            None if i.get("type") == "directory" or i.get("size") is None else int(i["size"]))
+            for i in infos}
+
     def read_bytes(self, path: str) -> bytes:
         try:
             return self._call("cat_file", path)

@@ -91,6 +91,22 @@ class LocalStorage(Storage):
         except OSError as e:
             raise storage_error(e, "listing", path) from e
 
+    def sizes(self, path: str) -> dict[str, int | None]:
+        out: dict[str, int | None] = {}
+        try:
+            with os.scandir(path) as it:
+                for e in it:
+                    if not e.is_symlink():
+                        try:
+                            out[e.name] = e.stat(follow_symlinks=False).st_size
+                        except FileNotFoundError:  # removed since the listing
+                            continue
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            raise storage_error(e, "listing", path) from e
+        return out
+
     def read_bytes(self, path: str) -> bytes:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC)

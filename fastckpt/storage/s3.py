@@ -126,22 +126,31 @@ class S3Storage(S3Calls, FsspecStorage):
     # -- the choke point -----------------------------------------------------------------------
 
     def listdir(self, path: str) -> list[str]:
+        return sorted(self._list(path))
+
+    def sizes(self, path: str) -> dict[str, int | None]:
+        return self._list(path)
+
+    def _list(self, path: str) -> dict[str, int | None]:
+        """name -> size (None: a "directory", a common prefix) of the objects under ``path/``,
+        one level, from ListObjectsV2's pages."""
         bucket, key = self._split(path)
         prefix = key.rstrip("/") + "/" if key else ""
-        names: set[str] = set()
+        names: dict[str, int | None] = {}
         token = None
         while True:
             kw = {"Prefix": prefix, "Delimiter": "/"}
             if token:
                 kw["ContinuationToken"] = token
             out = self._op("list_objects_v2", path, what="listing", bucket_op=True, **kw) or {}
-            names.update(c["Key"][len(prefix):].rstrip("/") for c in out.get("Contents", []))
-            names.update(p["Prefix"][len(prefix):].rstrip("/")
-                         for p in out.get("CommonPrefixes", []))
+            for c in out.get("Contents", []):
+                names[c["Key"][len(prefix):].rstrip("/")] = c.get("Size")
+            for p in out.get("CommonPrefixes", []):
+                names.setdefault(p["Prefix"][len(prefix):].rstrip("/"), None)
             token = out.get("NextContinuationToken")
             if not out.get("IsTruncated") or not token:
                 break
-        return sorted(n for n in names if n and "/" not in n)
+        return {n: v for n, v in names.items() if n and "/" not in n}
 
     def read_bytes(self, path: str) -> bytes:
         # one GET of the whole object: a reader sees one version of it, never two halves

@@ -11,6 +11,7 @@ from ..errors import CorruptCheckpointError, StorageError
 from ..manifest import schema as fmt
 from ..manifest.discovery import (find_step, list_steps, marker_time, read_manifest,
                                   read_small_json, root_hint)
+from ..manifest.index import check_listed
 from ..retention import INFLIGHT_GRACE_S
 from ..storage import Storage, open_storage
 
@@ -146,7 +147,8 @@ class StepRecord:
         return d
 
 
-def _describe_one(storage: Storage, step: int, d: str, now: float, grace: float) -> StepRecord:
+def _describe_one(storage: Storage, step: int, d: str, now: float, grace: float,
+                  indexes: str = "read") -> StepRecord:
     rec = StepRecord(step=step, path=display_path(storage, d), state="partial", _dir=d)
     try:
         ents = _entries(storage, d)
@@ -165,7 +167,12 @@ def _describe_one(storage: Storage, step: int, d: str, now: float, grace: float)
     body = None
     if fmt.MANIFEST in ents:
         try:
-            body = read_manifest(storage, d, step=step)  # None: removed since the listing
+            # None: removed since the listing. "listed": a per-rank index is checked present
+            # and sized from this listing, not read (ls at thousands of ranks)
+            body = read_manifest(storage, d, step=step, chunks=indexes != "listed")
+            if body is not None and indexes == "listed" and "indexes" in body:
+                check_listed(body, {n: sz for n, (sz, _) in ents.items()},
+                             file=f"{d}/{fmt.MANIFEST}", step_dir=d)
         except CorruptCheckpointError as e:
             rec.state, rec.error = "corrupt", str(e)
         except StorageError as e:
@@ -208,15 +215,18 @@ def _describe_one(storage: Storage, step: int, d: str, now: float, grace: float)
 
 
 def describe_steps(root: str | Storage, *, grace: float = INFLIGHT_GRACE_S,
-                   now: float | None = None) -> list[StepRecord]:
+                   now: float | None = None, indexes: str = "read") -> list[StepRecord]:
     """Every step directory under ``root``, ascending; [] for an empty or missing root.
+    ``indexes="listed"`` (``fastckpt ls``): a step's per-rank chunk indexes are checked
+    present with their pinned sizes in the directory's listing, not read and checksummed
+    (``"read"``, what gc decides on).
 
     Raises StorageError when the root cannot be listed. A damaged manifest does not raise: the
     step is reported with state "corrupt" and the reason in ``error``.
     """
     storage = as_storage(root)
     now = time.time() if now is None else now
-    recs = [_describe_one(storage, s, d, now, grace) for s, d in list_steps(storage)]
+    recs = [_describe_one(storage, s, d, now, grace, indexes) for s, d in list_steps(storage)]
     committed = [r for r in recs if r.committed]
     if committed:
         committed[-1].latest = True
@@ -229,8 +239,13 @@ def newest_committed(root: str | Storage, *, skipped: list | None = None
     valid manifest (the engine's rule, :func:`fastckpt.reader.find_step`; newer steps with a
     damaged manifest are skipped and their errors appended to ``skipped``). Raises
     CheckpointNotFoundError when there is none and CorruptCheckpointError when every manifest
-    is damaged."""
-    return find_step(as_storage(root), skipped=skipped)
+    is damaged.
+
+    Per-rank chunk indexes are checked present with their pinned sizes in one listing, not
+    read (``chunks="listed"``: the body has no chunks): N index reads per call at N ranks
+    would put minutes before every restart. A load checks the contents of those it reads
+    and, finding one damaged, loads the step before on every rank together."""
+    return find_step(as_storage(root), skipped=skipped, chunks="listed")
 
 
 def step_data_bytes(body: dict) -> int:

@@ -69,6 +69,8 @@ def verify_step(root: str | Storage, step: int | None = None, *, jobs: int = 4,
     """
     storage = as_storage(root)
     t0 = time.perf_counter()
+    if found is not None and any("chunks" not in t for t in found[2].get("tensors", {}).values()):
+        step, found = found[0], None  # a body without its indexes' chunks ("listed")
     step, d, body = found if found is not None else find_step(storage, step)
     res = VerifyResult(step=step, path=display_path(storage, d), save_id=body.get("save_id"))
     problems, by_file = check_layout(body)
