@@ -104,11 +104,7 @@ def main() -> int:
         out[name] = row
         print(f"{name:8s} {n} -> mesh {mesh}: {row['indexes_read']} of {n} indexes "
               f"({len(bx)} boxes), writers_of {row['writers_of_ms']:.2f} ms")
-    doc = {"benchmark": "index_select", "date_utc": C.utc_now(), "git": C.git_commit(REPO_ROOT),
-           "machine": C.machine_info(), "versions": C.base_versions(), "parameters": vars(a),
-           "layouts": out}
-    print("JSON:", C.write_json(a.json, doc))
-    return 0
+    return C.record(a.json, "index_select", REPO_ROOT, parameters=vars(a), layouts=out)
 
 
 if __name__ == "__main__":

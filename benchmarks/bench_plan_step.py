@@ -107,11 +107,7 @@ def main() -> int:
               f"{row['writes']} written by rank {a.rank})")
         for k, v in row["ms"].items():
             print(f"  {k:42s} {v:8.2f} ms  {row['us_per_tensor'][k]:6.2f} us/tensor")
-    doc = {"benchmark": "plan_step", "date_utc": C.utc_now(), "git": C.git_commit(REPO_ROOT),
-           "machine": C.machine_info(), "versions": C.base_versions(), "parameters": vars(a),
-           "layouts": out}
-    print("JSON:", C.write_json(a.json, doc))
-    return 0
+    return C.record(a.json, "plan_step", REPO_ROOT, parameters=vars(a), layouts=out)
 
 
 if __name__ == "__main__":

@@ -177,6 +177,20 @@ def base_versions() -> dict[str, Any]:
     }
 
 
+def provenance(repo: str, bench_dir: str | None = None) -> dict[str, Any]:
+    """What every benchmark record carries: the date, the commit, the machine, the versions."""
+    return {"date_utc": utc_now(), "git": git_commit(repo), "machine": machine_info(bench_dir),
+            "versions": base_versions()}
+
+
+def record(path: str, benchmark: str, repo: str, **fields: Any) -> int:
+    """Write a benchmark's JSON record (its name, :func:`provenance`, ``fields``) to ``path``,
+    print where; 0 (the script's exit status)."""
+    from .stats import write_json
+    print("JSON:", write_json(path, {"benchmark": benchmark, **provenance(repo), **fields}))
+    return 0
+
+
 def child_env(path: str | None = None) -> dict[str, str]:
     """Environment for child processes: ``path`` (default: the directory fastckpt is imported
     from) first on ``PYTHONPATH``, so that children import the same fastckpt."""
