@@ -684,6 +684,77 @@ def test_fsdp2_with_tp_at_another_world_size_reads_the_indexes_its_boxes_meet(tm
         assert_same(want, got)
 
 
+def _stages(rank, world, root, save, indexes=1):
+    """Two pipeline stages under FSDP2 (torchtitan's (pp, dp) mesh, pp outermost: each stage's
+    layers sharded over its ``dp`` sub-mesh of consecutive ranks) with Adam after a step;
+    saved with per-rank indexes, or loaded into a fresh stage; (the stage, its full state, the
+    index files this rank read)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    grid = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+    stage = grid.get_local_rank("pp")
+    full = mlp(0 if save else 5)
+    m = torch.nn.ModuleDict({k: full[int(k)] for k in (("0", "2") if stage == 0 else ("4",))})
+    for layer in m.values():
+        fully_shard(layer, mesh=grid["dp"])
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    if save:
+        x = torch.randn(4, 10 if stage == 0 else 33, generator=torch.Generator().manual_seed(7))
+        for layer in m.values():
+            x = torch.relu(layer(x))
+        x.sum().backward()
+        opt.step()
+        with fastckpt.Checkpointer(root, rank_indexes=indexes) as ck:
+            ck.save({"model": m, "optim": opt}, step=1, block=True)
+        return stage, full_state(m, opt), []
+    with _index_reads() as read:
+        fastckpt.load({"model": m, "optim": opt}, root)
+    return stage, full_state(m, opt), read
+
+
+@pytest.mark.parametrize("indexes", [1, None])
+def test_pipeline_stages_restart_at_another_world_size_reading_their_stages_indexes(
+        tmp_path, indexes):
+    """Two stages saved by 4 ranks (2 x 2: stage 0 on ranks 0-1, stage 1 on 2-3), restarted
+    on 2 (2 x 1). Their skeletons differ by stage (refused at another world size before):
+    each rank takes its stage's. With per-rank indexes, each rank's mesh is its stage's block
+    of consecutive ranks, so it reads the indexes of the saving stage's ranks ({0, 1} and
+    {2, 3}), not every index. Weights and Adam moments bit-exact."""
+    root = str(tmp_path / "pp")
+    saved = {stage: state for stage, state, _ in run(_stages, 4, root, True, indexes)}
+    body = _doc(root, 1)["body"]
+    assert "rank_trees" in body and ("indexes" in body) == (indexes == 1)
+    for r, (stage, got, read) in enumerate(run(_stages, 2, root, False)):
+        assert stage == r
+        assert sorted(read) == sorted(idx.index_name(k, body["save_id"])
+                                      for k in ((2 * r, 2 * r + 1) if indexes else ())), (r, read)
+        assert_same(saved[stage], got)
+
+
+def test_stage_skeletons_map_to_a_restarted_ranks_stage_only_when_blocks_are_whole():
+    """A strict load at another world size takes the skeleton of the rank's block when the
+    saved skeletons are equal within blocks of 2 or more consecutive ranks (pipeline stages,
+    pp outermost); per-rank values, interleaved stages, a world the blocks do not divide and
+    a non-strict load are refused as before, naming the world sizes."""
+    from fastckpt.errors import StateMismatchError
+    a, b = {"s": 0}, {"s": 1}
+
+    def tree(trees, rank, world, stages=True):
+        return fmt.tree_for_rank({"rank_trees": trees}, rank, world, file="m", stages=stages)
+    assert [tree([a, a, b, b], r, 2) for r in range(2)] == [a, b]
+    assert [tree([a, a, b, b], r, 6) for r in range(6)] == [a, a, a, b, b, b]
+    assert [tree([a, a, a, a, b, b, b, b], r, 4) for r in range(4)] == [a, a, b, b]
+    assert tree([a, a, b, b], 3, 4) == b  # (the saved world size: the rank's own)
+    for trees, world, stages in (([a, b, a, b], 2, True),  # stages interleaved (pp inner)
+                                 ([a, a, a, b], 2, True),  # blocks that are not whole
+                                 ([{"s": 0, "r": 0}, {"s": 0, "r": 1}, b, b], 2, True),
+                                 ([a, b], 1, True),  # blocks of one rank: per rank
+                                 ([a, a, b, b], 3, True),  # 3 ranks in 2 blocks
+                                 ([a, a, b, b], 2, False)):  # a non-strict load
+        with pytest.raises(StateMismatchError, match=f"loaded by exactly {len(trees)} ranks"):
+            tree(trees, 0, world, stages)
+
+
 def test_hsdp_replicas_at_the_saved_world_size_read_their_own_and_their_replicas_indexes(
         tmp_path):
     """A box replicated over a mesh dim is written by the replica its replicas elect
@@ -729,6 +800,10 @@ def test_writers_of_places_each_box_in_the_even_split():
     assert idx.writers_of(body, {"w": ((0, 0), (33, 10), None)}) is None  # whole, not inline
     assert idx.writers_of(body, {"w": ((0,), (33,), fsdp)}) is None  # not w's dimensions
     assert idx.writers_of(body, {"w": ((0, 0), (33, 10), ((2,), (("S", 5),)))}) is None
+    # a pipeline stage's mesh: block 1 of 2 (ranks 2-3 of 4 saved; rows 0-16 of w in rank 2)
+    assert idx.writers_of(body, {"w": ((0, 0), (33, 10), ((1,), (("S", 0),), 1, 2))}) == {2, 3}
+    assert idx.writers_of(body, {"w": ((0, 0), (17, 10), ((2,), (("S", 0),), 1, 2))}) == {2}
+    assert idx.writers_of(body, {"w": ((0, 0), (17, 10), ((1,), (("S", 0),), 1, 3))}) is None
     # a 2 x 3 mesh scales to 4 ranks as 2 x 2, to 5 ranks on no dim: no guess
     two_three = ((2, 3), (("S", 0), ("S", 1)))
     assert idx.writers_of(body, {"w": ((0, 0), (17, 4), two_three)}) == {0}

@@ -43,7 +43,7 @@ __all__ = [
     "can_drop_caches", "evict", "mem_available", "OpMeter", "reset_peak_rss", "run_child",
     "run_children", "run_gloo_children", "first_failure", "free_port", "FIO", "fio_version",
     "parse_fio_json", "run_fio", "rotations", "median", "summarize", "format_table",
-    "write_json",
+    "write_json", "provenance", "record",
 ]
 
 KiB = 1 << 10

@@ -14,7 +14,7 @@ import torch
 from ..errors import UnsupportedStateError
 from ..storage.pyio import _raw_view
 from .dtypes import dtype_name
-from .solo import elect, holders
+from .solo import elect, holders_in
 from .state import is_dtensor
 
 
@@ -104,9 +104,7 @@ def local_chunks(tensors: dict[str, torch.Tensor], *, digests: bool = False, wor
             nbytes = local.numel() * local.element_size()
             dig = digest(local) if digests and not dt else None
             if world > 1 and dt and t.numel():
-                if key not in meshes:
-                    meshes[key] = holders(t, world)
-                solo, replicas, place = meshes[key]
+                solo, replicas, place = holders_in(meshes, key, t, world)
                 elected = bool(nbytes) and (replicas == 1
                                             or elect(fqn, offsets, replicas) == place)
                 group = (replicas, place) if replicas > 1 else ()

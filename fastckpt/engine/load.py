@@ -136,7 +136,8 @@ class IndexSelector:
 
     def _targets(self, body: dict) -> dict:
         """The tensors this rank loads (planned without allocating)."""
-        tree = fmt.tree_for_rank(body, self.rank, self.world, file=fmt.MANIFEST)
+        tree = fmt.tree_for_rank(body, self.rank, self.world, file=fmt.MANIFEST,
+                                 stages=self.strict)
         meta = tensor_meta(body, file=fmt.MANIFEST)
         return plan_load(self.state, tree, meta, strict=self.strict, alloc=_dry_alloc).targets
 
@@ -167,12 +168,16 @@ class IndexSelector:
 
 
 def _layout(mesh: Any, placements: tuple, world: int) -> tuple | bool:
-    """(IndexSelector) A DTensor's (mesh shape, placements) as ``index.writers_of`` takes them;
-    False when its mesh is not every rank in order (a pipeline stage's sub-mesh) or a
-    placement is not a ``Shard``, ``_StridedShard`` or ``Replicate``."""
+    """(IndexSelector) A DTensor's (mesh shape, placements, stage, blocks) as
+    ``index.writers_of`` takes them: its mesh is block ``stage`` of ``blocks`` blocks of
+    consecutive ranks (every rank: 0 of 1; a pipeline stage's sub-mesh, pp outermost as
+    torchtitan orders it: stage of pp). False for another mesh (ranks out of order, pp not
+    outermost) or a placement that is not a ``Shard``, ``_StridedShard`` or ``Replicate``."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
-    if mesh.mesh.flatten().tolist() != list(range(world)):
+    ranks = mesh.mesh.flatten().tolist()
+    size, base = len(ranks), ranks[0] if ranks else 0
+    if (not size or world % size or base % size or ranks != list(range(base, base + size))):
         return False
     places: list[tuple] = []
     for p in placements:
@@ -184,7 +189,7 @@ def _layout(mesh: Any, placements: tuple, world: int) -> tuple | bool:
             places.append(("R",))
         else:
             return False
-    return tuple(mesh.mesh.shape), tuple(places)
+    return tuple(mesh.mesh.shape), tuple(places), base // size, world // size
 
 
 def electors(targets: dict, rank: int, world: int) -> frozenset:
@@ -193,17 +198,15 @@ def electors(targets: dict, rank: int, world: int) -> frozenset:
     norms) is written by one of its replicas (``solo.written``), so it is in that rank's
     index, not this one's: the replicas of each such DTensor (R - 1 ranks per mesh and
     placements; empty when the state has no such DTensor)."""
-    from .solo import holders
+    from .solo import holders_in
     out: set[int] = set()
     meshes: dict = {}
     for t in targets.values():
         if not is_dtensor(t) or not any(p.is_replicate() for p in t.placements):
             continue
         box = _box(t)
-        key = (id(t.device_mesh), tuple(t.placements))
-        if key not in meshes:
-            meshes[key] = holders(t, world)
-        solo, replicas, _ = meshes[key]
+        solo, replicas, _ = holders_in(meshes, (id(t.device_mesh), tuple(t.placements)), t,
+                                       world)
         if box is None or solo is None or replicas < 2 or not math.prod(box[1]):
             continue
         mesh = t.device_mesh
@@ -241,10 +244,10 @@ def _prepare(storage: Storage, state: dict | None, step: int | None, *, verify: 
     found_step, d, body = find_step(storage, step, own=sel)
     partial = sel is not None and is_partial(body, sel)
     mpath = f"{d}/{fmt.MANIFEST}"
-    tree = fmt.tree_for_rank(body, rank, world, file=mpath)
+    tree = fmt.tree_for_rank(body, rank, world, file=mpath, stages=strict)
     meta = tensor_meta(body, file=mpath)
     reader = FastCkptReader(storage, body=body, step_dir=d, verify=verify, rank=rank,
-                            world_size=world, partial=partial)
+                            world_size=world, partial=partial, tree=tree)
     reader.check_per_rank()
     # (plan_load makes no collective call: a rank may plan twice, or on another step than
     # its peers, before the agreement that follows)

@@ -55,8 +55,12 @@ class FastCkptReader(StorageReader):
     def __init__(self, root: str | Storage, step: int | None = None, *, verify: bool = True,
                  rank: int | None = None, world_size: int | None = None,
                  body: dict | None = None, step_dir: str | None = None,
-                 storage_options: dict | None = None, partial: bool = False) -> None:
+                 storage_options: dict | None = None, partial: bool = False,
+                 tree: Any = None) -> None:
         super().__init__()
+        #: the skeleton the load chose for this rank (``schema.tree_for_rank``: a pipeline
+        #: stage's at another world size); None: the manifest's, this rank's when per rank
+        self._tree = tree
         #: ``body`` holds one rank's part of an indexed step (the inline chunks and its own
         #: index's, fastckpt/manifest/index.py): only the files its chunks name are checked
         self.partial = partial
@@ -491,7 +495,7 @@ class FastCkptReader(StorageReader):
         """Plain (non-tensor) leaves under DCP's flattened names, for ``dcp.load`` users (this
         rank's when they differ by rank), and stored tensor -> the other keys tied to it."""
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-        tree = self.body.get("tree")
+        tree = self._tree if self._tree is not None else self.body.get("tree")
         if tree is None:  # per-rank values: this rank's
             self._check_same_world("the state holds plain values per rank",
                                    f"{self.step_dir}/{fmt.MANIFEST}")

@@ -45,6 +45,15 @@ def holders(t: torch.Tensor, world: int) -> tuple:
         (ranks, [repr(p) for p in t.placements])).encode()), replicas, mine)
 
 
+def holders_in(cache: dict, key: tuple, t: torch.Tensor, world: int) -> tuple:
+    """:func:`holders` of ``t``, once per ``key`` (``(id(mesh), placements)``) in ``cache``, a
+    dict its caller keeps for one pass over a state."""
+    got = cache.get(key)
+    if got is None:
+        got = cache[key] = holders(t, world)
+    return got
+
+
 def elect(fqn: str, offsets: tuple, replicas: int) -> int:
     """Which of a box's ``replicas`` writes it: a hash of the box, the same on every replica
     (each decides alone; balanced over many boxes, not by bytes as rank 0's plan is)."""

@@ -85,8 +85,10 @@ def encode_index(rank: int, save_id: str, files: list[dict]) -> tuple[bytes, dic
 def writers_of(body: dict, boxes: dict) -> frozenset | None:
     """The saving ranks whose indexes should hold the chunks of ``boxes``: fqn -> (offsets,
     sizes, layout) of a restarted rank's box, ``layout`` its DTensor's ``(mesh shape,
-    placements)`` (one per mesh dim: ``("S", d)`` a ``Shard(d)``, ``("R",)`` a ``Replicate``;
-    a mesh of every rank in order) or None for a regular tensor.
+    placements[, stage, blocks])`` (one placement per mesh dim: ``("S", d)`` a ``Shard(d)``,
+    ``("T", d, split factor)`` a ``_StridedShard``, ``("R",)`` a ``Replicate``; a mesh of
+    every rank in order, or the ``stage``-th of ``blocks`` blocks of consecutive ranks: a
+    pipeline stage's) or None for a regular tensor.
 
     The step was saved by N ranks, the restart runs M. The guess: the saving mesh was this
     mesh with one dim scaled by N / M (each dim that scales to a whole size is tried: FSDP2's
@@ -119,11 +121,16 @@ def writers_of(body: dict, boxes: dict) -> frozenset | None:
 
 
 def _meeting(n: int, shape: tuple, offsets: tuple, sizes: tuple, mesh: tuple,
-             places: tuple) -> frozenset | None:
+             places: tuple, stage: int = 0, blocks: int = 1) -> frozenset | None:
     """(:func:`writers_of`) The saving ranks of every guessed saving mesh whose boxes meet
-    ``offsets``/``sizes``; None where no mesh dim scales to ``n`` ranks or a placement is
-    not one of ours."""
+    ``offsets``/``sizes``; None where no mesh dim scales to the saved ranks or a placement is
+    not one of ours. ``stage`` of ``blocks``: the mesh is the ``stage``-th of ``blocks`` equal
+    blocks of consecutive ranks (a pipeline stage's, pp outermost), and so was the saving
+    one: of n / ``blocks`` ranks."""
     m = math.prod(mesh)
+    if blocks < 1 or n % blocks or not 0 <= stage < blocks:
+        return None
+    n, base = n // blocks, stage * (n // blocks)
     if m < 1 or len(places) != len(mesh) or not all(
             p == ("R",) or (len(p) == 2 and p[0] == "S" and 0 <= p[1] < len(shape))
             or (len(p) == 3 and p[0] == "T" and 0 <= p[1] < len(shape) and p[2] >= 1)
@@ -134,7 +141,7 @@ def _meeting(n: int, shape: tuple, offsets: tuple, sizes: tuple, mesh: tuple,
     for k in scaled:
         saved = (*mesh[:k], mesh[k] * n // m, *mesh[k + 1:])
         out |= _ranks_meeting(shape, offsets, sizes, saved, _refactored(places, mesh, saved))
-    return frozenset(out) if scaled else None
+    return frozenset(base + r for r in out) if scaled else None
 
 
 def _refactored(places: tuple, mesh: tuple, saved: tuple) -> tuple:

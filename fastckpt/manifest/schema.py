@@ -482,13 +482,25 @@ def new_manifest_body(*, step: int, world_size: int, save_id: str, files: dict,
     return body
 
 
-def tree_for_rank(body: dict, rank: int, world_size: int, *, file: str) -> Any:
-    """The plain-value skeleton this rank loads: shared, or its own when values differ by rank."""
+def tree_for_rank(body: dict, rank: int, world_size: int, *, file: str,
+                  stages: bool = False) -> Any:
+    """The plain-value skeleton this rank loads: shared, or its own when values differ by rank.
+
+    ``stages`` (a strict load): at another world size, skeletons that differ only between
+    blocks of consecutive ranks, each block of 2 or more sharing one (pipeline stages, pp
+    outermost as torchtitan orders its mesh: each stage's modules), give rank r its block's,
+    the world in as many blocks: a stage restarted on more or fewer data-parallel ranks. A
+    rank given another stage's skeleton by a mesh ordered otherwise finds keys it does not
+    hold: the strict load's error names them."""
     if "tree" in body:
         return body["tree"]
     trees = body.get("rank_trees")
     if not isinstance(trees, list) or not trees:
         raise CorruptCheckpointError("manifest has neither 'tree' nor 'rank_trees'", file=file)
+    if world_size != len(trees) and stages:
+        blocks = _tree_blocks(trees)
+        if blocks and world_size % blocks == 0:
+            return trees[rank // (world_size // blocks) * (len(trees) // blocks)]
     if world_size != len(trees):
         raise StateMismatchError(
             f"this checkpoint holds plain values that differ between its {len(trees)} ranks (for "
@@ -496,6 +508,18 @@ def tree_for_rank(body: dict, rank: int, world_size: int, *, file: str) -> Any:
             f"{len(trees)} ranks, not {world_size}. Keep per-rank values under the rank's own key "
             "to load at another world size.", file=file)
     return trees[rank]
+
+
+def _tree_blocks(trees: list) -> int | None:
+    """The fewest blocks of consecutive ranks, of 2 ranks or more, within each of which every
+    skeleton is the same; None when there are none (a per-rank value)."""
+    n = len(trees)
+    keys = [json.dumps(t, sort_keys=True) for t in trees]  # (once each: thousands of ranks)
+    for blocks in range(1, n // 2 + 1):
+        size = n // blocks
+        if n % blocks == 0 and all(keys[i] == keys[i - i % size] for i in range(n)):
+            return blocks
+    return None
 
 
 def check_user_meta(meta: dict | None) -> dict:
