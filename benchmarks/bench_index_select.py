@@ -15,7 +15,9 @@ the number of indexes it reads against the N of a full read, and the time of ``w
   are tried: the union);
 * ``fsdp_tp``: FSDP2 + TP as torchtitan lays it out on a ``(dp, tp)`` mesh, TP fixed: column-
   wise weights and the embedding ``(_StridedShard(0), Shard(0))``, row-wise ones
-  ``(Shard(0), Shard(1))``, norms ``(Shard(0), Replicate)``.
+  ``(Shard(0), Shard(1))``, norms ``(Shard(0), Replicate)``;
+* ``fsdp_pp``: pipeline stages (``--pp``, pp outermost) with FSDP2 on each stage's ``dp``
+  sub-mesh, a middle stage's rank: its stage's tensors, its mesh the stage's block.
 
 The restarted rank's boxes are torch's (``_compute_local_shape_and_global_offset`` on its
 coordinate; no process group, no memory).
@@ -46,26 +48,24 @@ def _tp_places(fqn: str, shape: tuple, tp: int) -> tuple:
     return (("T", 0, tp), ("S", 0))
 
 
-def boxes(mesh: tuple, placer) -> dict:
+def boxes(mesh: tuple, placer, tensors: list, block: tuple = ()) -> dict:
     """fqn -> (offsets, sizes, layout) of the middle rank of ``mesh`` (each coordinate half
-    way), for the parameters and both moments."""
+    way), for the parameters and both moments; ``block``: (stage, stages) of a stage's mesh."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import _StridedShard
-
-    from bench_protocol import model_tensors
 
     def torch_placement(p):
         return (Shard(p[1]) if p[0] == "S" else Replicate() if p[0] == "R"
                 else _StridedShard(p[1], split_factor=p[2]))
     coord = [k // 2 for k in mesh]
     out = {}
-    for fqn, shape in model_tensors():
+    for fqn, shape in tensors:
         places = placer(fqn, shape)
         sizes, offsets = _compute_local_shape_and_global_offset(
             shape, mesh, coord, [torch_placement(p) for p in places])
         for key in (fqn, f"optim.state.{fqn}.exp_avg", f"optim.state.{fqn}.exp_avg_sq"):
-            out[key] = (tuple(offsets), tuple(sizes), (tuple(mesh), places))
+            out[key] = (tuple(offsets), tuple(sizes), (tuple(mesh), places, *block))
     return out
 
 
@@ -75,10 +75,11 @@ def main() -> int:
     p.add_argument("--restarted", type=int, default=2048, help="M: the restarted world size")
     p.add_argument("--tp", type=int, default=8)
     p.add_argument("--replicas", type=int, default=8, help="R of the saved hsdp layout")
+    p.add_argument("--pp", type=int, default=8, help="stages of the fsdp_pp layout")
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--json", default=os.path.join(REPO_ROOT, "bench-out", "index-select.json"))
     a = p.parse_args()
-    from bench_protocol import model_tensors
+    from bench_protocol import model_tensors, stage_tensors
 
     from fastckpt.manifest.index import writers_of
     n, m = a.saved, a.restarted
@@ -87,12 +88,16 @@ def main() -> int:
         for key in (fqn, f"optim.state.{fqn}.exp_avg", f"optim.state.{fqn}.exp_avg_sq"):
             body["tensors"][key] = {"shape": list(shape)}
     shards = n // a.replicas
-    layouts = {"fsdp": ((m,), lambda f, s: (("S", 0),)),
-               "hsdp": ((max(1, m // shards), shards), lambda f, s: (("R",), ("S", 0))),
-               "fsdp_tp": ((m // a.tp, a.tp), lambda f, s: _tp_places(f, s, a.tp))}
+    every, stage = model_tensors(), a.pp // 2
+    layouts = {"fsdp": ((m,), lambda f, s: (("S", 0),), every, ()),
+               "hsdp": ((max(1, m // shards), shards), lambda f, s: (("R",), ("S", 0)), every,
+                        ()),
+               "fsdp_tp": ((m // a.tp, a.tp), lambda f, s: _tp_places(f, s, a.tp), every, ()),
+               "fsdp_pp": ((m // a.pp,), lambda f, s: (("S", 0),),
+                           stage_tensors(stage, a.pp), (stage, a.pp))}
     out = {}
-    for name, (mesh, placer) in layouts.items():
-        bx = boxes(mesh, placer)
+    for name, (mesh, placer, tensors, block) in layouts.items():
+        bx = boxes(mesh, placer, tensors, block)
         times, sel = [], None
         for _ in range(a.reps):
             t = time.perf_counter()
@@ -100,6 +105,7 @@ def main() -> int:
             times.append(time.perf_counter() - t)
         row = {"restarted_mesh": list(mesh), "boxes": len(bx),
                "indexes_read": None if sel is None else len(sel), "of": n,
+               "ranks": None if not sel else [min(sel), max(sel)],
                "writers_of_ms": round(statistics.median(times) * 1e3, 2)}
         out[name] = row
         print(f"{name:8s} {n} -> mesh {mesh}: {row['indexes_read']} of {n} indexes "

@@ -361,8 +361,8 @@ def test_plan_step_benchmark_runs_the_real_marking_at_the_70b_geometry(tmp_path)
 
 def test_index_select_benchmark_places_the_70b_boxes_at_another_world_size(tmp_path):
     """``bench_index_select.py`` 64 -> 32 ranks: under FSDP2 the middle restarted rank reads
-    the 2 indexes its rows are in; under HSDP and FSDP2 + TP (strided) it reads some, never
-    every one (64) nor none, and the guess is made for every layout."""
+    the 2 indexes its rows are in, and under 8 pipeline stages the 2 of its stage's block; under
+    HSDP and FSDP2 + TP (strided) it reads some, never every one (64) nor none."""
     out = tmp_path / "index-select.json"
     r = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_index_select.py"),
                         "--saved", "64", "--restarted", "32", "--reps", "1", "--json", str(out)],
@@ -373,3 +373,6 @@ def test_index_select_benchmark_places_the_70b_boxes_at_another_world_size(tmp_p
     for name in ("hsdp", "fsdp_tp"):
         assert 0 < doc[name]["indexes_read"] < 64, doc
     assert doc["fsdp_tp"]["restarted_mesh"] == [4, 8]
+    # stage 4 of 8, saved on ranks 32-39: its rank's rows in 2 of them
+    assert doc["fsdp_pp"]["indexes_read"] == 2 and 32 <= doc["fsdp_pp"]["ranks"][0]
+    assert doc["fsdp_pp"]["ranks"][1] < 40, doc["fsdp_pp"]
