@@ -733,11 +733,13 @@ def test_pipeline_stages_restart_at_another_world_size_reading_their_stages_inde
 
 def test_stage_skeletons_map_to_a_restarted_ranks_stage_only_when_blocks_are_whole():
     """A strict load at another world size takes the skeleton of the rank's block when the
-    saved skeletons are equal within blocks of 2 or more consecutive ranks (pipeline stages,
-    pp outermost); per-rank values, interleaved stages, a world the blocks do not divide and
-    a non-strict load are refused as before, naming the world sizes."""
+    saved skeletons are equal within blocks of 2 or more consecutive ranks and hold other keys
+    from block to block (pipeline stages, pp outermost); per-rank values (even equal in pairs
+    by chance), interleaved stages, a world the blocks do not divide and a non-strict load are
+    refused as before, naming the world sizes."""
     from fastckpt.errors import StateMismatchError
-    a, b = {"s": 0}, {"s": 1}
+    a = {"model": {"0.w": {"$tensor": "model.0.w"}}}  # stage 0's modules
+    b = {"model": {"4.w": {"$tensor": "model.4.w"}}}  # stage 1's
 
     def tree(trees, rank, world, stages=True):
         return fmt.tree_for_rank({"rank_trees": trees}, rank, world, file="m", stages=stages)
@@ -748,6 +750,8 @@ def test_stage_skeletons_map_to_a_restarted_ranks_stage_only_when_blocks_are_who
     for trees, world, stages in (([a, b, a, b], 2, True),  # stages interleaved (pp inner)
                                  ([a, a, a, b], 2, True),  # blocks that are not whole
                                  ([{"s": 0, "r": 0}, {"s": 0, "r": 1}, b, b], 2, True),
+                                 # per-rank values equal in pairs by chance: the same keys
+                                 ([{"pos": 1}, {"pos": 1}, {"pos": 2}, {"pos": 2}], 2, True),
                                  ([a, b], 1, True),  # blocks of one rank: per rank
                                  ([a, a, b, b], 3, True),  # 3 ranks in 2 blocks
                                  ([a, a, b, b], 2, False)):  # a non-strict load

@@ -512,13 +512,26 @@ def tree_for_rank(body: dict, rank: int, world_size: int, *, file: str,
 
 def _tree_blocks(trees: list) -> int | None:
     """The fewest blocks of consecutive ranks, of 2 ranks or more, within each of which every
-    skeleton is the same; None when there are none (a per-rank value)."""
+    skeleton is the same, and whose skeletons hold different keys (stages hold different
+    modules); None when there are none: values per rank (a data position equal on some ranks
+    by chance holds the same keys as the others' and is never mapped)."""
     n = len(trees)
     keys = [json.dumps(t, sort_keys=True) for t in trees]  # (once each: thousands of ranks)
     for blocks in range(1, n // 2 + 1):
         size = n // blocks
         if n % blocks == 0 and all(keys[i] == keys[i - i % size] for i in range(n)):
-            return blocks
+            shapes = {json.dumps(_keys_of(trees[b * size]), sort_keys=True)
+                      for b in range(blocks)}
+            return blocks if len(shapes) == blocks else None
+    return None
+
+
+def _keys_of(tree: Any) -> Any:
+    """A skeleton's structure: its dicts' keys and lists' lengths, the values dropped."""
+    if isinstance(tree, dict):
+        return {k: _keys_of(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_keys_of(v) for v in tree]
     return None
 
 
