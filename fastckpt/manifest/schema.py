@@ -487,8 +487,9 @@ def tree_for_rank(body: dict, rank: int, world_size: int, *, file: str,
     """The plain-value skeleton this rank loads: shared, or its own when values differ by rank.
 
     ``stages`` (a strict load): at another world size, skeletons that differ only between
-    blocks of consecutive ranks, each block of 2 or more sharing one (pipeline stages, pp
-    outermost as torchtitan orders its mesh: each stage's modules), give rank r its block's,
+    blocks of consecutive ranks, each block of 2 or more sharing one and holding other keys
+    than the others (pipeline stages, pp outermost as torchtitan orders its mesh: each
+    stage's modules), give rank r its block's,
     the world in as many blocks: a stage restarted on more or fewer data-parallel ranks. A
     rank given another stage's skeleton by a mesh ordered otherwise finds keys it does not
     hold: the strict load's error names them."""
