@@ -185,3 +185,47 @@ def test_the_prefault_thread_covers_the_direct_destinations(root, native, stats,
             if t.nbytes >= (1 << 20):  # a direct read: its whole destination was populated
                 assert sum(n for a, n in calls if t.data_ptr() <= a < t.data_ptr() + t.nbytes
                            ) == t.nbytes
+
+
+def _thp_eligible(address: int) -> bool:
+    """Whether the mapping holding ``address`` may take transparent huge pages
+    (``THPeligible`` in /proc/self/smaps)."""
+    vma = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                vma = lo <= address < hi
+            elif vma and head == "THPeligible:":
+                return line.split()[1] == "1"
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.parametrize("thp", ["1", "0"])
+def test_the_moments_a_load_allocates_are_advised_to_huge_pages(root, monkeypatch, thp):
+    """A restart's load allocates a fresh optimizer's moments (in phase with their chunks);
+    those of 4 MiB and more are advised to transparent huge pages (``pyio.huge_pages``: the
+    prefault thread then faults them 2 MiB at a time), unless FASTCKPT_THP=0. Bit-exact."""
+    path = "/sys/kernel/mm/transparent_hugepage/enabled"
+    mode = open(path).read() if os.path.exists(path) else "[never]"
+    if "[never]" in mode:
+        pytest.skip("no transparent huge pages here")
+    monkeypatch.setenv("FASTCKPT_THP", thp)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(2048, 1024)  # an 8 MiB weight
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    m(torch.randn(4, 2048)).sum().backward()
+    opt.step()
+    fastckpt.save({"model": m, "optim": opt}, root, step=1)
+    m2 = torch.nn.Linear(2048, 1024)
+    opt2 = torch.optim.Adam(m2.parameters(), lr=1e-3)
+    assert fastckpt.load({"model": m2, "optim": opt2}, root) == 1
+    for k in ("exp_avg", "exp_avg_sq"):
+        t = opt2.state[m2.weight][k]
+        assert torch.equal(t, opt.state[m.weight][k]), k
+        inside = (t.data_ptr() + (4 << 20) - 1) // (2 << 20) * (2 << 20)  # a whole 2 MiB page
+        if thp == "1":
+            assert _thp_eligible(inside), k
+        elif "[madvise]" in mode:  # ("always": every mapping may)
+            assert not _thp_eligible(inside), k

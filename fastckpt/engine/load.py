@@ -22,6 +22,7 @@ from ..manifest import schema as fmt
 from ..manifest.discovery import find_step, is_partial
 from ..manifest.index import writers_of
 from ..storage import Storage
+from ..storage.pyio import huge_pages
 from . import dist as _dist
 from .dtypes import tensor_meta
 from .reader import FastCkptReader
@@ -35,7 +36,8 @@ def alloc_in_phase(body: dict, fqn: str, meta: dict, like: torch.Tensor | None =
     """A tensor the load creates (e.g. the moments of a freshly built optimizer), placed at an
     address with the same remainder modulo 4096 as its saved chunk's file offset, so the
     reader can fill it with O_DIRECT without a read buffer or a copy (see
-    ``FastCkptReader._direct_ok``). A view into a storage at most 4 KiB larger.
+    ``FastCkptReader._direct_ok``). A view into a storage at most 4 KiB larger, advised to
+    transparent huge pages from 4 MiB on (``pyio.huge_pages``).
 
     ``like``: a DTensor (an FSDP2 parameter) the new tensor is laid out like: a DTensor on the
     same mesh and placements whose local shard is allocated this way, in phase with the saved
@@ -61,6 +63,7 @@ def _alloc_local(body: dict, fqn: str, shape: tuple, offsets: tuple,
     if chunk is None or nbytes < fmt.ALIGN:
         return torch.empty(shape, dtype=dtype)
     raw = torch.empty(nbytes + fmt.ALIGN, dtype=torch.uint8)
+    huge_pages(raw.data_ptr(), raw.numel())  # (the prefault thread faults them, 2 MiB each)
     skip = (int(chunk["offset"]) - raw.data_ptr()) % fmt.ALIGN
     return raw[skip:skip + nbytes].view(dtype).view(shape)
 
