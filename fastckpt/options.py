@@ -335,6 +335,13 @@ def cli_settings(environ: dict | None = None) -> dict:
 
 
 
+def huge_pages_on(environ: dict | None = None) -> bool:
+    """Whether a load advises the memory it allocates to transparent huge pages
+    (``storage.pyio.huge_pages``): on unless FASTCKPT_THP=0."""
+    env = os.environ if environ is None else environ
+    return env.get("FASTCKPT_THP", "1").strip() not in ("0", "false", "no", "off")
+
+
 def first_slurm_host(nodelist: str) -> str | None:
     """The first host of a Slurm hostlist (``gpu[007-010,12],cpu1`` -> ``gpu007``,
     ``rack[1-2]-n[3-4]`` -> ``rack1-n3``); None for an empty list."""

@@ -100,7 +100,8 @@ def huge_pages(address: int, nbytes: int) -> bool:
     earlier pairs of the same advice: 1.05 vs 1.28 s, 0.43 vs 0.48), 1432 huge-page faults per
     run, no compaction stall, no fallback. ``FASTCKPT_THP=0`` turns it off.
     False when nothing was advised (too small, no such advice, turned off)."""
-    if nbytes < HUGE_MIN or os.environ.get("FASTCKPT_THP", "1") == "0":
+    from ..options import huge_pages_on
+    if nbytes < HUGE_MIN or not huge_pages_on():
         return False
     lo = (address + HUGE - 1) // HUGE * HUGE
     hi = (address + nbytes) // HUGE * HUGE
