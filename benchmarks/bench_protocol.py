@@ -1461,14 +1461,19 @@ def step_pick_cost(data: bytes, docs: list) -> dict:
     then ``find_step`` reading and merging every index (before 2026-12-06) against
     ``newest_committed`` (the manifest and one listing: each index there with its pinned
     size). Page cache warm (the files were just written): the reading side's CPU, not a
-    disk's. Medians of 3, interleaved."""
+    disk's. Medians of 3, interleaved.
+
+    And ``fastckpt gc --keep 1``'s plan over four such steps: every index of every step read
+    (``describe_steps``' reading mode, what gc decided on before 2026-12-06) against
+    ``plan_gc`` (the newest step's indexes read, the older steps listed)."""
     import shutil
     import tempfile
 
     from fastckpt.manifest import index as idx
     from fastckpt.manifest.discovery import find_step
     from fastckpt.storage import open_storage
-    from fastckpt.tools import newest_committed
+    from fastckpt.tools import describe_steps, newest_committed
+    from fastckpt.tools.gc import plan_gc
     tmp = tempfile.mkdtemp(prefix="fastckpt-pick-")
     try:
         d = os.path.join(tmp, fmt.step_dirname(1))
@@ -1488,8 +1493,29 @@ def step_pick_cost(data: bytes, docs: list) -> dict:
             t = time.perf_counter()
             newest_committed(st)
             listed.append(time.perf_counter() - t)
+        # steps 2-4: the same files, the manifest's step edited (and re-checksummed)
+        for step in (2, 3, 4):
+            sd = os.path.join(tmp, fmt.step_dirname(step))
+            shutil.copytree(d, sd)
+            doc = json.loads(data)
+            doc["body"]["step"] = step
+            doc["checksum"] = fmt._body_checksum(doc["body"])
+            with open(os.path.join(sd, fmt.MANIFEST), "w") as f:
+                json.dump(doc, f)
+        gc_every, gc_plan = [], []
+        for _ in range(3):
+            t = time.perf_counter()
+            recs = describe_steps(st)
+            gc_every.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            acts = plan_gc(st, 1)
+            gc_plan.append(time.perf_counter() - t)
+        assert [r.state for r in recs] == ["committed"] * 4, recs
+        assert [a.remove for a in acts] == [True, True, True, False], acts
         return {"every_index_s": round(statistics.median(every), 3),
                 "listed_s": round(statistics.median(listed), 4),
+                "gc_keep1_of_4": {"every_index_s": round(statistics.median(gc_every), 3),
+                                  "plan_gc_s": round(statistics.median(gc_plan), 3)},
                 "index_bytes": sum(len(doc) for doc, _ in docs)}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -280,6 +280,39 @@ def test_resume_and_ls_check_the_indexes_in_a_listing_without_reading_them(tmp_p
     assert full[2].state == ("committed" if fault is None else "corrupt"), full[2]
 
 
+@pytest.mark.parametrize("damaged", [False, True])
+def test_gc_reads_the_indexes_of_the_steps_it_keeps_and_removes_the_older_unread(tmp_path,
+                                                                                 damaged):
+    """``fastckpt gc --keep 1`` over four indexed steps reads the newest step's index and no
+    other (at N ranks, every index of every step was N reads per step) and removes the older
+    three unread, re-checked from their manifests and listings. The newest damaged in place,
+    its size kept: that read finds it, it is kept as damaged, the step before it is read and
+    kept as the newest committed, and only the two older ones go."""
+    from fastckpt.tools.gc import plan_gc, run_gc
+    root = str(tmp_path / "gc")
+    with fastckpt.Checkpointer(root, rank_indexes=1) as ck:
+        for s in (1, 2, 3, 4):
+            ck.save({"w": torch.full((3000,), float(s)), "step": s}, step=s, block=True)
+    names = {s: os.path.basename(_index_path(root, s)) for s in (1, 2, 3, 4)}
+    if damaged:
+        _damaged(root, 4)
+    with _index_reads() as read:
+        actions = {a.record.step: a for a in plan_gc(root, 1)}
+        run_gc(root, list(actions.values()))
+    assert read == ([names[4], names[3]] if damaged else [names[4]]), read
+    kept = {3, 4} if damaged else {4}
+    assert {s for s, a in actions.items() if a.done} == {1, 2, 3} - kept
+    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == [
+        fmt.step_dirname(s) for s in sorted(kept)]
+    if damaged:
+        assert actions[4].record.state == "corrupt" and "rank 0" in actions[4].record.error
+        assert actions[3].record.latest and actions[3].reason == "newest committed step"
+        dest = {"w": torch.zeros(3000), "step": 0}
+        assert fastckpt.load(dest, root) == 3 and torch.equal(dest["w"], torch.full((3000,), 3.))
+    else:
+        assert actions[4].record.latest and actions[4].record.state == "committed"
+
+
 @pytest.mark.parametrize("edit, want", [
     (lambda b: b["indexes"][0].update(file="../r00000-x.fci"), "not a valid index file name"),
     (lambda b: b["indexes"].append(dict(b["indexes"][0])), "one entry per rank"),

@@ -562,13 +562,17 @@ class TestS3Storage(StorageContract):
                                   "region_name": "us-east-1"},
                 "config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"},
                                   "connect_timeout": 2}}
-        st = open_storage(f"s3://{s3.bucket}/run", storage_options=opts)
+        # two tries, not the default eight: a refused connection is retried (with backoff) and
+        # then named; eight tries would only add ~25 s of backoff to this test
+        st = open_storage(f"s3://{s3.bucket}/run", storage_options=opts,
+                          remote={"max_attempts": 2})
         with pytest.raises(StorageError) as ei:
             st.check_writable()
-        assert f"{s3.bucket}/run" in str(ei.value)
+        assert f"{s3.bucket}/run" in str(ei.value) and "after 2 tries" in str(ei.value)
         with pytest.raises(StorageError) as ei:
             st.read_bytes(st.join("manifest.json"))
         assert f"{s3.bucket}/run/manifest.json" in str(ei.value)
+        assert "EndpointConnectionError" in str(ei.value) and "after 2 tries" in str(ei.value)
 
     def test_guard_refuses_non_loopback(self, s3):
         with socket.socket() as s, pytest.raises(ConnectionRefusedError, match="test guard"):

@@ -62,12 +62,22 @@ def plan_gc(root: str | Storage, keep: int | None, *, grace: float = INFLIGHT_GR
     and remove it by hand). The committed/partial rules are the engine's
     (:func:`fastckpt.retention.plan_removal`); this adds the file-age, re-save and
     damaged-manifest protections.
+
+    Steps are described from their manifests and one listing each (per-rank chunk indexes
+    present with their pinned sizes); the newest committed steps are then read and checked as
+    a load checks them, index by index, until ``keep`` of them pass (one with ``keep=None``).
+    Those are what the removal of every older step relies on; an older committed step is
+    removed unread (at N ranks, reading every index of every step is N reads per step). An
+    index damaged in place, its size kept, in one of the newest steps makes that step
+    "corrupt" (kept, and the next older one is read instead); in a step older than the kept
+    ones it goes unnoticed, and the step is removed like any other past ``keep``.
     """
     if keep is not None and keep < 1:
         raise ValueError("keep must be >= 1")
     storage = as_storage(root)
     now = time.time() if now is None else now
-    recs = describe_steps(storage, grace=grace, now=now)
+    recs = describe_steps(storage, grace=grace, now=now, indexes="listed")
+    _read_kept(storage, recs, keep or 1, now, grace)
     eligible = [r for r in recs if r.state in ("committed", "partial")]
     infos = [StepInfo(r.step, r._dir, r.committed, r.inflight_since) for r in eligible]
     # a committed step being saved again (a job that went back to an earlier step)
@@ -99,23 +109,41 @@ def plan_gc(root: str | Storage, keep: int | None, *, grace: float = INFLIGHT_GR
     return actions
 
 
+def _read_kept(storage: Storage, recs: list[StepRecord], k: int, now: float,
+               grace: float) -> None:
+    """Re-describe the newest committed steps of ``recs`` (in place) with their indexes read
+    and checked, newest first, until ``k`` of them pass; then mark the newest that passed."""
+    found = 0
+    for i in range(len(recs) - 1, -1, -1):
+        if found >= k:
+            break
+        if recs[i].committed:
+            recs[i] = _describe_one(storage, recs[i].step, recs[i]._dir, now, grace)
+            found += recs[i].committed
+    newest = max((r.step for r in recs if r.committed), default=None)
+    for r in recs:
+        r.latest = r.step == newest
+
+
 def run_gc(root: str | Storage, actions: list[GcAction], *, grace: float = INFLIGHT_GRACE_S,
            progress: Callable[[GcAction], None] | None = None) -> list[GcAction]:
-    """Remove the steps ``plan_gc`` marked, re-checking each one just before (a step whose state
-    changed or where a save started since the plan is left alone). Removal deletes the
-    manifest first."""
+    """Remove the steps ``plan_gc`` marked, re-checking each one just before from its manifest
+    and listing (a step whose state changed or where a save started since the plan is left
+    alone). Removal deletes the manifest first."""
     storage = as_storage(root)
     for a in actions:
         if not a.remove:
             if a.leftovers:
-                fresh = _describe_one(storage, a.record.step, a.record._dir, time.time(), grace)
+                fresh = _describe_one(storage, a.record.step, a.record._dir, time.time(), grace,
+                                      "listed")
                 if fresh.committed and fresh.save_id == a.record.save_id:
                     for n in sorted(set(a.leftovers) & set(fresh.leftovers)):
                         storage.remove(f"{a.record._dir}/{n}")
                         a.leftovers_removed.append(n)
             continue
         now = time.time()
-        fresh = _describe_one(storage, a.record.step, a.record._dir, now, grace)
+        # unchanged since the plan: the manifest (its save) and the listing, indexes unread
+        fresh = _describe_one(storage, a.record.step, a.record._dir, now, grace, "listed")
         if fresh.state != a.record.state or _busy(fresh, now, grace) or (
                 fresh.committed and fresh.save_id != a.record.save_id):
             a.skipped = (f"state changed to {fresh.state} since the plan"
