@@ -189,10 +189,13 @@ def test_sigterm_all_ranks_staggered_with_a_long_step(tmp_path, baseline):
 def test_the_same_notice_twice_does_not_cut_the_budget(tmp_path):
     """Slurm signals every process of a step and torchrun passes SIGTERM on too: a rank gets
     the same notice twice within milliseconds. That is one notice, not an impatient
-    orchestrator (a second signal over 1 s later halves the budget: the test above)."""
-    cfg = _cfg(tmp_path, "run")
+    orchestrator (a second signal over 1 s later halves the budget: the test above).
+    Rank 1 sleeps 1.5 s after step 3, so rank 0's stop (it needs rank 1 at the stop step and
+    at the commit) is still open when the second signal comes: a whole stop of this small
+    state took 45 ms on a fast host, and a second signal after the exit is not one."""
+    cfg = _cfg(tmp_path, "run", long_step={"1": [3, 1.5]})
     procs = launch(2, cfg)
-    _wait_step(cfg["out"], "run", 0, 3, procs)
+    _wait_step(cfg["out"], "run", 1, 3, procs)  # rank 1 is now sleeping after step 3
     os.kill(procs[0].pid, signal.SIGTERM)
     time.sleep(0.05)
     os.kill(procs[0].pid, signal.SIGUSR1)
