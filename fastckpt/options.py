@@ -245,9 +245,9 @@ def options_from_env(base: CheckpointOptions | None = None,
     if "FASTCKPT_NATIVE" in env:
         changes["native"] = env["FASTCKPT_NATIVE"].strip().lower()
     if "FASTCKPT_DIRECT_IO" in env:
-        changes["direct_io"] = env["FASTCKPT_DIRECT_IO"].strip() not in ("0", "false", "no", "")
+        changes["direct_io"] = _flag(env["FASTCKPT_DIRECT_IO"])
     if "FASTCKPT_ZERO_COPY" in env:
-        changes["zero_copy"] = env["FASTCKPT_ZERO_COPY"].strip() not in ("0", "false", "no", "")
+        changes["zero_copy"] = _flag(env["FASTCKPT_ZERO_COPY"])
     if "FASTCKPT_RANK_INDEXES" in env:
         v = env["FASTCKPT_RANK_INDEXES"].strip().lower()
         try:
@@ -286,8 +286,7 @@ def options_from_env(base: CheckpointOptions | None = None,
         v = env["FASTCKPT_COMPRESSION"].strip().lower()
         changes["compression"] = None if v in ("", "none", "off", "0") else v
     if "FASTCKPT_LOCAL_SURVIVES" in env:
-        changes["local_survives"] = env["FASTCKPT_LOCAL_SURVIVES"].strip().lower() not in (
-            "0", "false", "no", "")
+        changes["local_survives"] = _flag(env["FASTCKPT_LOCAL_SURVIVES"])
     if "FASTCKPT_REMOTE_PART_BYTES" in env:
         changes["remote_part_bytes"] = int(env["FASTCKPT_REMOTE_PART_BYTES"])
     if "FASTCKPT_REMOTE_CONCURRENCY" in env:
@@ -335,11 +334,16 @@ def cli_settings(environ: dict | None = None) -> dict:
 
 
 
+def _flag(value: str) -> bool:
+    """An on/off environment setting: off for 0, false, no, off and the empty string."""
+    return value.strip().lower() not in ("0", "false", "no", "off", "")
+
+
 def huge_pages_on(environ: dict | None = None) -> bool:
     """Whether a load advises the memory it allocates to transparent huge pages
     (``storage.pyio.huge_pages``): on unless FASTCKPT_THP=0."""
     env = os.environ if environ is None else environ
-    return env.get("FASTCKPT_THP", "1").strip() not in ("0", "false", "no", "off")
+    return _flag(env.get("FASTCKPT_THP", "1"))
 
 
 def first_slurm_host(nodelist: str) -> str | None:

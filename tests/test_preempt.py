@@ -506,6 +506,19 @@ def test_signal_windows_from_the_environment():
             options_from_env(environ={"FASTCKPT_SIGNAL_GRACE_S": bad})
 
 
+def test_on_off_settings_from_the_environment():
+    """FASTCKPT_DIRECT_IO, _ZERO_COPY, _LOCAL_SURVIVES and _THP read alike: 0, false, no, off
+    (any case) and the empty string turn them off; anything else on; THP is on when unset."""
+    from fastckpt.options import huge_pages_on, options_from_env
+    for v, on in (("0", False), ("false", False), ("No", False), ("OFF", False), ("", False),
+                  (" 1 ", True), ("yes", True), ("on", True)):
+        o = options_from_env(environ={"FASTCKPT_DIRECT_IO": v, "FASTCKPT_ZERO_COPY": v,
+                                      "FASTCKPT_LOCAL_SURVIVES": v})
+        assert (o.direct_io, o.zero_copy, o.local_survives) == (on, on, on), v
+        assert huge_pages_on({"FASTCKPT_THP": v}) is on, v
+    assert huge_pages_on({}) is True
+
+
 def test_forked_worker_does_not_act(root):
     """A DataLoader-style forked child gets the earlier handler back (SIGTERM kills it) and
     its signal never reaches the parent's trap."""
