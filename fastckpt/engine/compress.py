@@ -42,6 +42,7 @@ from ..manifest import schema as fmt
 from ..storage import codec
 from ..storage.native import aligned_buffer
 from ..storage.pyio import _raw_view
+from .threads import Threads
 
 log = logging.getLogger("fastckpt")
 
@@ -82,7 +83,7 @@ class Compression:
         self.level = level
         self.threads = threads or default_threads()
         self.native = native
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: Threads | None = None
         self._outs: list = []  # output buffers, reused by later pieces (warm pages)
         self._outs_lock = threading.Lock()
         #: (stored bytes, seconds) of this rank's last shard writes, one per piece (the
@@ -95,9 +96,14 @@ class Compression:
         self.last: dict = {}
 
     @property
-    def pool(self) -> ThreadPoolExecutor:
+    def pool(self) -> Threads:
+        """The encoders (engine/threads.py: a save finished from ``atexit`` still encodes);
+        made by :meth:`start`, in the training thread."""
+        return self.start()
+
+    def start(self) -> Threads:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fastckpt-zstd")
+            self._pool = Threads(self.threads, "fastckpt-zstd")
         return self._pool
 
     def close(self) -> None:

@@ -44,7 +44,7 @@ from typing import Any, Callable
 import xxhash
 
 from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, FastCkptError,
-                      StorageError, UnsupportedStateError, WriterLockedError)
+                      UnsupportedStateError)
 from ..lease import WriterLease
 from ..manifest import schema as fmt
 from ..manifest.discovery import find_step, list_steps, read_manifest
@@ -104,6 +104,9 @@ class Engine:
         self._last_job: Job | None = None
         self._closed = False
         self._claimed = False
+        #: saves begun per step (the last few steps): the exchanges of a save are keyed by
+        #: (step, attempt), the same on every rank (``_plan``)
+        self._attempts: dict[int, int] = {}
         self._lease: WriterLease | None = None  # rank 0, from the first save to close()
         self._tier: Tier | None = None
         if remote is not None:
@@ -247,21 +250,20 @@ class Engine:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         t0 = time.perf_counter()
+        key = self._save_key(step)  # (first: every call counts, even one that fails here)
         earlier = None
         if deadline is None:
             self._drain_previous()
         else:  # an emergency save: a failure nobody observed must not stop it
             earlier = self._take_previous_failure()
         user_meta = fmt.check_user_meta(user_meta)
-        plan, data = self._plan(state, step, deadline)
-        if not self._claimed:
-            self._claim_root(deadline)
-            if self._tier is not None:
-                self._tier.record()
+        plan, data = self._plan(state, step, key, deadline)
         stager = self._device_stager(data)
         compress = self._compression.decide(
             data, record_bps=self._bench_bps(),
             upload_bps=self._tier.bytes_per_s() if self._tier is not None else None)
+        if compress:  # (its threads start here, not in the writer: see engine/threads.py)
+            self._compression.start()
         # a blocking save on a local file system is written straight from the tensors (the
         # caller does not touch them until it returns): no staging copy, no staging memory
         # (device tensors must be copied to the host anyway: they go through the pinned pool;
@@ -305,10 +307,26 @@ class Engine:
             return self.options.plan_timeout_s
         return max(0.05, min(self.options.plan_timeout_s, deadline - time.monotonic()))
 
-    def _plan(self, state: dict, step: int,
+    def _save_key(self, step: int) -> str:
+        """The store key of this save's exchanges: its step and how many saves of that step
+        this rank began (``Group.decide``'s ``key``). Every rank names them alike when every
+        rank calls ``save`` alike, whatever failed on some ranks only before (a timeout, an
+        error): no exchange of one save can pair with another's."""
+        n = self._attempts.pop(step, 0) + 1
+        self._attempts[step] = n
+        while len(self._attempts) > 64:  # (only a step saved again soon needs its count)
+            del self._attempts[next(iter(self._attempts))]
+        return f"save.{step}.{n}"
+
+    def _plan(self, state: dict, step: int, key: str,
               deadline: float | None = None) -> tuple[Any, dict]:
-        """(steps 2-3) Flatten the state and agree on the plan with every rank."""
+        """(steps 2-4) Flatten the state and agree on the plan with every rank; (first save)
+        claim the root. Whatever fails on this rank goes through the exchange, so every rank
+        fails alike and none is left one exchange ahead of the others. ``key``: the
+        exchanges' (:meth:`_save_key`): ranks that save different steps never meet, each names
+        the others as missing."""
         error = None
+        local_exc: Exception | None = None
         specs: list = []
         tree: Any = None
         data: dict = {}
@@ -322,18 +340,23 @@ class Engine:
             tree = flat.skeleton
             aliases = len(flat.aliases)
             tree_hash = xxhash.xxh3_128_hexdigest(json.dumps(tree, allow_nan=False).encode())
-        except (UnsupportedStateError, ValueError, TypeError) as e:
+        except Exception as e:  # (a Stateful's own error too: every rank must hear of it)
             if self.world_size == 1:
                 raise
-            error = str(e)
+            local_exc = e
+            error = (str(e) if isinstance(e, (UnsupportedStateError, ValueError, TypeError))
+                     else f"{type(e).__name__}: {e}")
         busy = self._tier.busy if self._tier is not None else False
         what = f"save of step {step}: the plan exchange"
         # the skeleton's hash: when every rank's is rank 0's, only rank 0 sends its skeleton
         # to the coordinator with its commit result (under FSDP they are all alike)
         common = {"error": error, "aliases": aliases, "tree_hash": tree_hash}
         verdict = self.group.decide(
-            self._plans.value(uuid.uuid4().hex[:12], specs, up_busy=busy, **common),
-            self._plans.decide, timeout_s=self._wait_s(deadline), what=what)
+            self._plans.value(uuid.uuid4().hex[:12], specs, up_busy=busy,
+                              claimed=self._claimed, **common),
+            self._decide, timeout_s=self._wait_s(deadline), what=what, key=key + "/plan")
+        if local_exc is not None:  # (every rank fails this save: the verdict says why)
+            raise local_exc
         # every rank decides alike: upload this step unless an uploader is still busy
         self._upload_next = not verdict["up_busy"]
         plan = self._plans.apply(verdict, step)
@@ -342,21 +365,35 @@ class Engine:
                 self._plans.full_value(uuid.uuid4().hex[:12], specs, rank=self.rank,
                                        **common),
                 functools.partial(self._plans.assign, step=step), each=True,
-                timeout_s=self._wait_s(deadline), what=what + " (the chunk lists)")
+                timeout_s=self._wait_s(deadline), what=what + " (the chunk lists)",
+                key=key + "/lists")
             plan = self._plans.take(answer, self.rank, step)
+        if verdict.get("claim", not self._claimed):  # (every rank alike: rank 0's verdict)
+            self._claim_root(deadline, key + "/claim")
+            if self._tier is not None:
+                self._tier.record()
         return dataclasses.replace(plan, tree=tree), data
 
-    def _claim_root(self, deadline: float | None = None) -> None:
+    def _decide(self, values: list[dict]) -> dict:
+        """(rank 0) The plan exchange's verdict (``PlanExchange.decide``) and whether every
+        rank must (still) claim the root: a rank whose claim failed or timed out claims again,
+        every other rank with it."""
+        return {**self._plans.decide(values),
+                "claim": not all(v.get("claimed", True) for v in values)}
+
+    def _claim_root(self, deadline: float | None = None, key: str | None = None) -> None:
         """(step 4, first save) The root is writable and, on the coordinator, the writer lease
-        is held; a failure on any rank is raised on every rank."""
-        error: FastCkptError | None = None
+        is held; a failure on any rank is raised on every rank. A rank that claimed already
+        (another rank's claim failed) only takes part in the exchange."""
+        error: Exception | None = None
         try:
-            self.storage.check_writable()
-            if self.rank == 0:
-                self._lease = WriterLease(self.storage, ttl_s=self.options.lease_ttl_s,
-                                          renew_s=self.options.lease_ttl_s / 4).acquire()
-                self._writer.lease = self._lease
-        except (WriterLockedError, StorageError) as e:
+            if not self._claimed:
+                self.storage.check_writable()
+                if self.rank == 0:
+                    self._lease = WriterLease(self.storage, ttl_s=self.options.lease_ttl_s,
+                                              renew_s=self.options.lease_ttl_s / 4).acquire()
+                    self._writer.lease = self._lease
+        except Exception as e:
             if self.world_size == 1:
                 raise
             error = e
@@ -364,7 +401,7 @@ class Engine:
         failures = self.group.decide(
             {"setup": None if error is None else [type(error).__name__, str(error)]},
             setup_failures, timeout_s=self._wait_s(deadline),
-            what="first save: claiming the root")
+            what="first save: claiming the root", key=key)
         raise_setup_errors(failures, error)
         self._claimed = True
 

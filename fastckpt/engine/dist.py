@@ -325,13 +325,23 @@ class Group:
             self._exchange = Exchange(local=not self.collective)
         return self._exchange
 
-    def gather(self, value: Any, *, timeout_s: float, what: str) -> list[Any]:
+    def _base(self, key: str | None) -> str:
+        """The store keys' prefix of one exchange: ``key`` when the caller names it (every
+        rank names it alike, e.g. from the step it saves: an exchange that failed on some
+        ranks only then puts no later exchange out of step), else the next of a count every
+        rank keeps alike as long as every rank makes every call."""
+        if key is not None:
+            return f"{self._prefix}/{key}"
+        self._seq += 1
+        return f"{self._prefix}/{self._seq}"
+
+    def gather(self, value: Any, *, timeout_s: float, what: str,
+               key: str | None = None) -> list[Any]:
         """Every rank's ``value`` (JSON-able), in rank order; CollectiveTimeoutError after
-        ``timeout_s`` naming the ranks that did not arrive."""
+        ``timeout_s`` naming the ranks that did not arrive. ``key``: see :meth:`_base`."""
         if self.world_size == 1:
             return [value]
-        self._seq += 1
-        base = f"{self._prefix}/{self._seq}"
+        base = self._base(key)
         ex = self.exchange
         keys = [f"{base}/{r}" for r in range(self.world_size)]
         t0 = time.monotonic()
@@ -365,7 +375,7 @@ class Group:
         return out
 
     def decide(self, value: Any, fn: Any, *, timeout_s: float, what: str,
-               each: bool = False) -> Any:
+               each: bool = False, key: str | None = None) -> Any:
         """Every rank's ``value`` (JSON-able) to rank 0 only; rank 0 computes ``fn(values)``
         (values in rank order; the answer JSON-able) and every rank returns that answer.
         O(N) values through the store where ``gather`` moves O(N^2). ``each``: ``fn`` returns
@@ -375,12 +385,11 @@ class Group:
         before the others stop waiting (``min(1 s, timeout_s / 10)`` early), so a rank that
         does not arrive is named on every rank (CollectiveTimeoutError); a rank whose answer
         does not come names rank 0 and any rank whose value is not there either. An error
-        raised by ``fn`` on rank 0 is raised on every rank."""
+        raised by ``fn`` on rank 0 is raised on every rank. ``key``: see :meth:`_base`."""
         if self.world_size == 1:
             out = fn([value])
             return (out[0], out[1][0]) if each else out
-        self._seq += 1
-        base = f"{self._prefix}/{self._seq}"
+        base = self._base(key)
         ex = self.exchange
         answer = f"{base}/answer"
         t0 = time.monotonic()

@@ -32,7 +32,7 @@ import queue
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -49,6 +49,7 @@ from .commit import commit
 from .handle import SaveHandle
 from .plan import SavePlan
 from .staging import Gathered, StagingPool
+from .threads import Threads
 
 log = logging.getLogger("fastckpt")
 
@@ -101,21 +102,29 @@ class Writer:
         #: (coordinator) the writer lease, checked just before each manifest is written
         self.lease: Any = None
         self._thread: threading.Thread | None = None
+        #: the shard writes' threads (WRITE_STREAMS, or the store's count), made with the
+        #: writer thread: a save still running when the process exits (``close`` from
+        #: ``atexit``) writes on them (engine/threads.py)
+        self._io: Threads | None = None
 
     def submit(self, job: Job) -> None:
         """(training thread) Hand a save to the writer; it starts on each piece as staged."""
         if self._thread is None:
+            self._io = Threads(max(WRITE_STREAMS, self.storage.write_streams), "fastckpt-io")
             self._thread = threading.Thread(target=self._run, name="fastckpt-writer",
                                             daemon=True)
             self._thread.start()
         self.queue.put(job)
 
     def close(self) -> None:
-        """Finish the queued saves and stop the thread. Idempotent."""
+        """Finish the queued saves and stop the threads. Idempotent."""
         if self._thread is not None:
             self.queue.put(_SENTINEL)
             self._thread.join()
             self._thread = None
+        if self._io is not None:
+            self._io.shutdown()
+            self._io = None
 
     def _run(self) -> None:
         while True:
@@ -145,34 +154,37 @@ class Writer:
         local_exc: BaseException | None = None
         t0 = time.perf_counter()
         try:
-            st.makedirs(d)
-            if self.rank == 0:
-                st.publish(marker, marker_doc(plan.save_id, host=socket.gethostname(),
-                                              pid=os.getpid()))
             files = []
             remaining = len(plan.pieces)
             pending: collections.deque = collections.deque()
             try:
+                # (inside: a step directory or marker that cannot be made fails the save
+                # below, which still takes the staged pieces, so that a capped pool never
+                # leaves the training thread waiting for a buffer)
+                st.makedirs(d)
+                if self.rank == 0:
+                    st.publish(marker, marker_doc(plan.save_id, host=socket.gethostname(),
+                                                  pid=os.getpid()))
                 # WRITE_STREAMS pieces are written at once, so one file's drain, fsync and
                 # open overlap the next file's writes and the device queue never runs dry
-                streams = max(WRITE_STREAMS, st.write_streams)  # object stores: more
-                with ThreadPoolExecutor(streams, thread_name_prefix="fastckpt-io") as ex:
-                    while remaining:
-                        piece, buf, hashes, ready = job.pieces.get()
-                        remaining -= 1
-                        if piece is None:
-                            remaining = 0  # the training thread stopped staging
-                            raise FastCkptError(f"staging failed: {buf}") from buf
-                        if job.cancel.is_set():
-                            self._release(buf, ready)
-                            raise FastCkptError(f"save of step {plan.step} was superseded by a "
-                                                "newer save (preemption); nothing was committed")
-                        while len(pending) >= streams or (pending and pending[0].done()):
-                            files.append(pending.popleft().result())  # raises a write's error
-                        pending.append(ex.submit(self._write_piece, st, d, plan, piece, buf,
-                                                 hashes, ready, job.compress))
-                    while pending:
-                        files.append(pending.popleft().result())
+                ex = self._io
+                streams = ex.size
+                while remaining:
+                    piece, buf, hashes, ready = job.pieces.get()
+                    remaining -= 1
+                    if piece is None:
+                        remaining = 0  # the training thread stopped staging
+                        raise FastCkptError(f"staging failed: {buf}") from buf
+                    if job.cancel.is_set():
+                        self._release(buf, ready)
+                        raise FastCkptError(f"save of step {plan.step} was superseded by a "
+                                            "newer save (preemption); nothing was committed")
+                    while len(pending) >= streams or (pending and pending[0].done()):
+                        files.append(pending.popleft().result())  # raises a write's error
+                    pending.append(ex.submit(self._write_piece, st, d, plan, piece, buf,
+                                             hashes, ready, job.compress))
+                while pending:
+                    files.append(pending.popleft().result())
                 files.sort(key=lambda f: f["piece"])
                 st.sync_dir(d)  # the files' entries, once for all of them
                 if plan.indexed:  # then the chunk list, durably (fsync, rename, dir fsync)
@@ -182,9 +194,10 @@ class Writer:
                     job.my_index = entry
                 job.my_files = files
             finally:
-                # after a failure, take the pieces still coming so a capped pool never leaves
-                # the training thread waiting for a buffer (the executor has finished by now:
-                # its writes released their own buffers)
+                # after a failure: the writes under way end first (each bounded by the save's
+                # deadline; they release their own buffers), then the pieces still coming are
+                # taken, so a capped pool never leaves the training thread waiting for a buffer
+                wait_all(pending)
                 while remaining:
                     piece, buf, _, ready = job.pieces.get()
                     remaining = 0 if piece is None else remaining - 1

@@ -1,0 +1,216 @@
+"""Saves that fail on some ranks only, and saves still running when the process exits
+(issue 14's review of the save side, 2026-12-06):
+
+* an error on one rank while it plans (a Stateful's own ``RuntimeError``) skipped the plan
+  exchange on that rank only: from then on its exchanges paired with the other ranks' next
+  ones, and rank 0 committed manifests naming shard files of another step (a newest
+  checkpoint that did not load);
+* a root claim that timed out on one rank left that rank "unclaimed": it made one exchange
+  more per save than the others, and the job never saved again;
+* ranks that call save with different steps never pair: each names the others as missing,
+  and the next save with one step commits;
+* a capped pool whose step directory (or in-flight marker) cannot be made left the training
+  thread waiting for a buffer for ever;
+* an async save still running at a normal exit was lost: ``concurrent.futures`` refuses new
+  work once the interpreter exits, before ``atexit`` runs the close that finishes the save.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fastckpt
+from fastckpt.storage import open_storage
+from fastckpt.testing.faults import FaultyStorage
+from tests import distributed
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class _Boom:
+    """A Stateful whose ``state_dict`` raises (armed on one rank)."""
+
+    def __init__(self, armed: bool) -> None:
+        self.armed = armed
+
+    def state_dict(self) -> dict:
+        if self.armed:
+            raise RuntimeError("the stateful failed")
+        return {"v": 1}
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+
+def _state(rank: int) -> dict:
+    return {"w": torch.arange(64, dtype=torch.float32) + rank, "b": torch.full((8,), 3.0 + rank)}
+
+
+def _one_rank_fails_then_saves(rank: int, world: int, root: str):
+    ck = fastckpt.Checkpointer(root, plan_timeout_s=20, commit_timeout_s=20)
+    st = _state(rank)
+    ck.save(st, step=1, block=True)
+    out = {}
+    try:
+        ck.save({**st, "s": _Boom(rank == 1)}, step=2, block=True)
+        out[2] = "committed"
+    except Exception as e:  # noqa: BLE001 - what each rank saw
+        out[2] = f"{type(e).__name__}: {e}"
+    for step in (3, 4):
+        st["w"].add_(1.0)
+        ck.save(st, step=step, block=True)
+        out[step] = "committed"
+    got = {"w": torch.zeros(64), "b": torch.zeros(8)}
+    out["loaded"] = ck.load(got)
+    out["equal"] = all(torch.equal(got[k], st[k]) for k in st)  # what this rank saved
+    ck.close()
+    return out
+
+
+def test_an_error_on_one_rank_fails_that_save_on_every_rank_and_the_next_ones_commit(root):
+    out = distributed.run(_one_rank_fails_then_saves, 2, root, timeout=120)
+    r0, r1 = out
+    assert r1[2] == "RuntimeError: the stateful failed"  # its own error, on its rank
+    assert "rank 1" in r0[2] and "RuntimeError: the stateful failed" in r0[2], r0
+    assert r0[3] == r1[3] == r0[4] == r1[4] == "committed"
+    assert fastckpt.steps(root) == [1, 3, 4]
+    # every committed step is whole (the defect committed manifests naming shard files that
+    # another step's directory held) and loads what each rank saved
+    from fastckpt.tools.verify import verify_step
+    for step in (1, 3, 4):
+        res = verify_step(root, step, record=False)
+        assert res.ok, (step, res.problems)
+    assert r0["loaded"] == r1["loaded"] == 4 and r0["equal"] and r1["equal"]
+
+
+def _different_steps(rank: int, world: int, root: str):
+    ck = fastckpt.Checkpointer(root, plan_timeout_s=2)
+    st = _state(rank)
+    ck.save(st, step=1, block=True)
+    try:
+        ck.save(st, step=5 + rank, block=True)
+        res = "committed"
+    except fastckpt.CollectiveTimeoutError as e:
+        res = (str(e), e.missing_ranks)
+    dist.barrier()
+    ck.save(st, step=7, block=True)  # the next save with one step
+    ck.close()
+    return res
+
+
+def test_ranks_saving_different_steps_never_pair_and_name_each_other(root):
+    (m0, miss0), (m1, miss1) = distributed.run(_different_steps, 2, root, timeout=120)
+    assert "save of step 5: the plan exchange" in m0 and miss0 == [1], m0
+    assert "save of step 6: the plan exchange" in m1 and miss1 == [0], m1
+    assert fastckpt.steps(root) == [1, 7]
+
+
+def _claim_times_out_on_rank_1(rank: int, world: int, root: str):
+    # rank 0's first claim waits for a fresh lease of a run on another host to expire (2 s)
+    # longer than rank 1 waits for the claim's answer (plan_timeout_s 1 s)
+    ck = fastckpt.Checkpointer(root, plan_timeout_s=1, commit_timeout_s=1, lease_ttl_s=2)
+    st = _state(rank)
+    out = {}
+    for step in (1, 2, 3):
+        dist.barrier()  # (a training step's collectives between the saves)
+        try:
+            ck.save(st, step=step, block=True)
+            out[step] = "committed"
+        except fastckpt.FastCkptError as e:
+            out[step] = type(e).__name__
+    ck.close()
+    return out
+
+
+def test_a_root_claim_that_timed_out_on_one_rank_is_made_again_by_every_rank(root):
+    import json
+
+    from fastckpt.lease import LEASE
+    os.makedirs(root)
+    now = time.time()
+    with open(os.path.join(root, LEASE), "w") as f:
+        json.dump({"owner": "dead-run", "host": "other-host", "pid": 1, "job": None,
+                   "acquired_unix": now, "renewed_unix": now, "ttl_s": 2}, f)
+    r0, r1 = distributed.run(_claim_times_out_on_rank_1, 2, root, timeout=120)
+    assert r1[1] == "CollectiveTimeoutError", r1  # the claim's answer came too late
+    assert r0[1] != "committed"
+    assert r0[2] == r1[2] == r0[3] == r1[3] == "committed", (r0, r1)
+    assert fastckpt.steps(root) == [2, 3]
+
+
+class _NoMarker(FaultyStorage):
+    """A disk that is full for the in-flight marker of the next save."""
+
+    full = False
+
+    def bounded(self, deadline):
+        b = _NoMarker(self.inner.bounded(deadline))
+        b._shared = self._shared
+        return b
+
+    def publish(self, path, data, *, durable=True):
+        if _NoMarker.full and ".inflight-" in path:
+            raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+        return super().publish(path, data, durable=durable)
+
+
+def test_a_capped_save_whose_marker_cannot_be_written_fails_and_does_not_hang(root):
+    ck = fastckpt.Checkpointer(_NoMarker(open_storage(root)), staging_cap_bytes=8 << 20,
+                               commit_timeout_s=5)
+    st = {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(8)}  # 32 MiB > the cap
+    ck.save(st, step=1, block=True)
+    _NoMarker.full = True
+    res: dict = {}
+
+    def save() -> None:
+        try:
+            ck.save(st, step=2).wait(timeout=30)
+            res["r"] = "committed"
+        except fastckpt.FastCkptError as e:
+            res["r"] = str(e)
+
+    t = threading.Thread(target=save, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "save() waits for a staging buffer the writer never frees"
+    assert "No space left on device" in res["r"], res
+    _NoMarker.full = False
+    ck.save(st, step=3, block=True)  # the pool's buffers all came back
+    ck.close()
+    assert fastckpt.steps(root) == [1, 3]
+
+
+_EXIT_SCRIPT = textwrap.dedent("""
+    import sys, torch, fastckpt
+    from fastckpt.storage import open_storage
+    from fastckpt.testing.faults import FaultyStorage
+    root, compression = sys.argv[1], sys.argv[2]
+    slow = FaultyStorage(open_storage(root), throttle_mibps=16)  # 12 MiB: ~0.75 s of writes
+    ck = fastckpt.Checkpointer(slow, compression=compression or None)
+    st = {f"w{i}": torch.arange(1 << 20, dtype=torch.float32) * (i + 1) for i in range(3)}
+    ck.save(st, step=1)  # returns once staged; the script ends while it is written
+""")
+
+
+@pytest.mark.parametrize("compression", ["", "zstd"])
+def test_an_async_save_still_running_at_a_normal_exit_is_committed(root, compression):
+    r = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, root, compression],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": REPO})
+    assert r.returncode == 0, r.stderr
+    assert "failed" not in r.stderr, r.stderr
+    assert fastckpt.steps(root) == [1]
+    got = {f"w{i}": torch.zeros(1 << 20) for i in range(3)}
+    assert fastckpt.load(got, root) == 1
+    for i in range(3):
+        assert torch.equal(got[f"w{i}"], torch.arange(1 << 20, dtype=torch.float32) * (i + 1))
