@@ -17,6 +17,7 @@ files with ``torch.load(weights_only=True)``; what those refuse is refused, nami
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import io
 import math
@@ -28,12 +29,12 @@ import time
 import uuid
 from collections import namedtuple
 from dataclasses import asdict, dataclass, field
-from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
 
 from .dcp import Writer, _nest
+from .engine.chunks import batches, write_chunks
 from .engine.dtypes import dtype_name
 from .engine.state import flatten
 from .errors import CorruptCheckpointError, FastCkptError, UnsupportedStateError
@@ -194,8 +195,13 @@ def _read_metadata(src: str) -> Any:
 
 
 def _open_regular(path: str) -> io.BufferedReader:
-    """A link is not followed, a FIFO not waited for (its size, 0, fails the bounds checks)."""
-    return open(path, "rb", opener=lambda p, fl: os.open(p, fl | _NOFOLLOW))
+    """A link is not followed, a FIFO not waited for (its size, 0, fails the bounds checks);
+    one that cannot be opened is a CorruptCheckpointError naming it."""
+    try:
+        return open(path, "rb", opener=lambda p, fl: os.open(p, fl | _NOFOLLOW))
+    except OSError as e:
+        why = "a symbolic link, never followed" if e.errno == errno.ELOOP else e.strerror
+        raise CorruptCheckpointError(f"cannot open the file: {why}", file=path) from None
 
 
 class _DcpFiles:
@@ -210,8 +216,10 @@ class _DcpFiles:
         if not isinstance(rel, str) or not _PLAIN_NAME.match(rel):
             raise CorruptCheckpointError(f"DCP metadata has no valid storage entry for {what}",
                                          key=index.fqn, file=f"{self.src}/.metadata")
-        if rel not in self.sizes:
-            self.sizes[rel] = os.stat(os.path.join(self.src, rel), follow_symlinks=False).st_size
+        if rel not in self.sizes:  # (opened once: a missing file, a link are named errors)
+            path = os.path.join(self.src, rel)
+            f = self.open.get(path) or self.open.setdefault(path, _open_regular(path))
+            self.sizes[rel] = os.fstat(f.fileno()).st_size
         off, ln = si.offset, si.length
         if not (type(off) is int and type(ln) is int and 0 <= off and 0 <= ln
                 and off + ln <= self.sizes[rel]):
@@ -219,17 +227,27 @@ class _DcpFiles:
                                          key=index.fqn, file=os.path.join(self.src, rel))
         return si
 
-    def load(self, index: Any, si: Any) -> Any:
+    def load(self, index: Any, si: Any, limit: int) -> Any:
         path = os.path.join(self.src, si.relative_path)
-        f = self.open.get(path) or self.open.setdefault(path, _open_regular(path))
+        f = self.open[path]  # (opened by info)
         f.seek(si.offset)
         stream: Any = io.BytesIO(f.read(si.length))  # held while torch.load copies it out
         if si.transform_descriptors:  # DCP's stream extensions (compression)
             if self._transforms is None:
                 from torch.distributed.checkpoint import FileSystemReader
                 self._transforms = FileSystemReader(self.src).transforms
-            stream = io.BytesIO(self._transforms.transform_load_stream(
-                None, si.transform_descriptors, stream).read())
+            raw, stream = self._transforms.transform_load_stream(
+                None, si.transform_descriptors, stream), io.BytesIO()
+            # at most ``limit`` bytes decoded (the value's own), in pieces (a read of n bytes
+            # allocates n first)
+            while stream.tell() <= limit and (
+                    b := raw.read(min(64 << 20, limit + 1 - stream.tell()))):
+                stream.write(b)
+            if stream.tell() > limit:
+                raise CorruptCheckpointError(
+                    f"key path {index.fqn!r}: the stored value decompresses to more than "
+                    f"{limit} bytes, the most it may hold", file=path, offset=si.offset)
+            stream.seek(0)
         try:
             return torch.load(stream, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
@@ -294,11 +312,20 @@ def _dcp_source(src: str, files: _DcpFiles, exclude: tuple) -> _Source:
                                          files, i, si, d, s)))
         elif isinstance(m, BytesStorageMetadata):
             index = MetadataIndex(fqn)
-            value = files.load(index, files.info(index, "a plain value"))
+            value = files.load(index, files.info(index, "a plain value"), MAX_METADATA_BYTES)
             plain[fqn] = _encode_plain(value, tuple(mappings.get(fqn, (fqn,))), extra)
         else:
             raise CorruptCheckpointError(f"unknown DCP entry type {type(m).__name__}", key=fqn,
                                          file=f"{src}/.metadata")
+    at: dict = {}  # key path -> the keys there: one each, none inside another's value
+    for k in (*tensors, *plain):
+        at.setdefault(tuple(mappings.get(k, (k,))), []).append(k)
+    for p, ks in at.items():
+        clash = ks[1:] or [at[p[:i]][0] for i in range(1, len(p)) if p[:i] in at]
+        if clash:
+            raise CorruptCheckpointError(
+                f"DCP planner_data puts {clash[0]!r} at or above {ks[0]!r}'s key path {list(p)}:"
+                " one of them would never be loaded", key=ks[0], file=f"{src}/.metadata")
     tree = _restore_optimizer_layout(_nest(mappings, tensors, plain))
     for fqn, t in extra.items():  # tensors inside values DCP pickled whole (a tuple's)
         if fqn in tensors:
@@ -313,7 +340,7 @@ def _dcp_source(src: str, files: _DcpFiles, exclude: tuple) -> _Source:
 
 def _chunk_tensor(files: _DcpFiles, index: Any, si: Any, dtype: torch.dtype,
                   sizes: tuple) -> torch.Tensor:
-    t = files.load(index, si)
+    t = files.load(index, si, math.prod(sizes) * dtype.itemsize + (1 << 20))  # + framing
     if (type(t) is not torch.Tensor or t.layout != torch.strided
             or (t.dtype, tuple(t.shape)) != (dtype, sizes)):
         raise CorruptCheckpointError(
@@ -419,39 +446,6 @@ def _torch_save_source(src: str, exclude: tuple) -> _Source:
 
 # ------------------------------------------------------------------------------- the write
 
-def _write_batch(writer: Writer, batch: list) -> list:
-    """Read ``batch``'s chunks from SRC and write them as shard files; the written chunks."""
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
-                                                       TensorProperties)
-    from torch.distributed.checkpoint.planner import (SavePlan, TensorWriteData, WriteItem,
-                                                      WriteItemType)
-    data, items = {}, []
-    for c in batch:
-        data[(c.fqn, c.offsets)] = c.load()
-        offsets = torch.Size(c.offsets)
-        items.append(WriteItem(
-            index=MetadataIndex(c.fqn, offsets), type=WriteItemType.SHARD,
-            tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, torch.Size(c.sizes)),
-                                        properties=TensorProperties(dtype=c.dtype),
-                                        size=torch.Size(c.shape))))
-    planner = SimpleNamespace(  # what fastckpt.dcp.Writer asks of a DCP save planner
-        resolve_data=lambda item: data[(item.index.fqn, tuple(item.tensor_data.chunk.offsets))])
-    results = writer.write_data(SavePlan(items), planner).wait()
-    return [(wr.index.fqn, ch) for wr in results for ch in wr.storage_data["chunks"]]
-
-
-def _batches(chunks: list, limit: int):
-    batch, size = [], 0
-    for c in chunks:
-        if batch and size + c.nbytes > limit:
-            yield batch
-            batch, size = [], 0
-        batch.append(c)
-        size += c.nbytes
-    if batch:
-        yield batch
-
-
 def _cleanup(storage: Storage, d: str, keep: set, marker: str, existed: bool) -> None:
     """Remove the shard files not in ``keep`` and this run's marker from the step directory
     (all of it if this run created it)."""
@@ -510,7 +504,8 @@ def convert(src: str | os.PathLike, root: str | os.PathLike | Storage, *,
         try:
             source = (_dcp_source(src_path, files, exclude) if files is not None
                       else _torch_save_source(src_path, exclude))
-        except (AttributeError, TypeError, KeyError, IndexError) as e:  # crafted metadata
+        except (AttributeError, TypeError, KeyError, IndexError, ValueError, OverflowError,
+                RecursionError) as e:  # crafted metadata
             if isinstance(e, FastCkptError):
                 raise
             raise CorruptCheckpointError(f"malformed {kind} checkpoint: {e!r}",
@@ -543,9 +538,9 @@ def _write_and_commit(storage: Storage, d: str, source: _Source, keep: set, batc
         writer = Writer(step=res.step)
         writer.storage = storage
         writer.set_up_storage_writer(False)  # the shards only: the marker, the commit are ours
-        for batch in _batches(sorted(source.chunks, key=lambda c: (c.fqn, c.offsets)),
+        for batch in batches(sorted(source.chunks, key=lambda c: (c.fqn, c.offsets)),
                               max(1, batch_bytes)):
-            for fqn, ch in _write_batch(writer, batch):
+            for fqn, ch in write_chunks(writer, batch):
                 ch = dict(ch)
                 written[ch["file"]] = {"rank": 0, "size": ch.pop("file_size")}
                 tensors[fqn]["chunks"].append(ch)

@@ -3,15 +3,25 @@ above one rank, whether the rank writes it without asking rank 0 (``ChunkSpec.so
 
 (all ranks, training thread, every save) :func:`local_chunks` is the first step of the plan
 (fastckpt/engine/plan.py); its time is part of a save's stall.
+
+(load) :func:`queue_read` groups the read items of one saved chunk (each chunk is read once)
+and refuses two different chunks at one file offset; :func:`empty_for` allocates a tensor the
+manifest sized, a failure a fastckpt error.
+
+(``fastckpt convert``) :func:`batches` and :func:`write_chunks`: chunks read from a source
+checkpoint, written as shard files through ``fastckpt.dcp.Writer``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 
-from ..errors import UnsupportedStateError
+from ..errors import CorruptCheckpointError, UnsupportedStateError
 from ..storage.pyio import _raw_view
 from .dtypes import dtype_name
 from .solo import elect, holders_in
@@ -136,3 +146,91 @@ def _box(t, local: torch.Tensor, key: tuple, boxes: dict, fqn: str) -> tuple:
             f"DTensor placements {t.placements} give this rank a local tensor that is "
             "not a single box of the global tensor; not supported yet", key=fqn)
     return box
+
+
+# ------------------------------------------------------------------------------------- load
+
+def queue_read(by_chunk: dict, item: tuple, body: dict, step_dir: str, rank: int) -> bool:
+    """(FastCkptReader.read_data) Add a read item ``(req, fqn, chunk entry, destination)`` to
+    ``by_chunk`` under its chunk's (file, offset): the items of one chunk share one read (a
+    tensor's tied keys, the boxes of several destinations that meet one saved chunk). False
+    for an empty chunk (nothing to read: the caller commits it at once).
+
+    Only the same chunk is shared (an equal entry, the same dtype): a crafted manifest whose
+    chunks of two tensors start at one offset would give the second the first one's bytes,
+    dtype and checksum, so it is refused (CorruptCheckpointError naming both, file and
+    offset). Chunks that overlap otherwise are each read and checked on their own (``fastckpt
+    verify`` reports the overlap)."""
+    _, fqn, c, target = item
+    if not int(c["length"]) and not target.numel():
+        return False
+    key = (c["file"], int(c["offset"]))
+    reqs = by_chunk.setdefault(key, [])
+    if reqs:
+        first, a = reqs[0][1], reqs[0][2]
+        tensors = body["tensors"]
+        if a is not c and (a != c or tensors[first]["dtype"] != tensors[fqn]["dtype"]):
+            raise CorruptCheckpointError(
+                f"chunk {c['offsets']}+{c['sizes']} of tensor {fqn!r} starts where chunk "
+                f"{a['offsets']}+{a['sizes']} of tensor {first!r} does: two chunks cannot "
+                "share bytes", file=f"{step_dir}/{key[0]}", key=fqn, offset=key[1], rank=rank)
+    reqs.append(item)
+    return True
+
+
+def empty_for(shape: Any, dtype: torch.dtype, *, pad: int = 0, **where: Any) -> torch.Tensor:
+    """``torch.empty(shape, dtype)`` of a tensor whose size a checkpoint's manifest declares
+    (``pad``: instead its bytes and ``pad`` more, as uint8, to place it in phase): an allocation
+    that fails (too large for this machine's memory, a shape torch refuses) raises
+    CorruptCheckpointError naming the tensor (``where``: key=, file=, rank=) and the bytes
+    asked for, not the allocator's RuntimeError."""
+    n = math.prod(shape) * dtype.itemsize
+    try:
+        if pad:
+            return torch.empty(n + pad, dtype=torch.uint8)
+        return torch.empty(shape, dtype=dtype)
+    except (RuntimeError, MemoryError, OverflowError, TypeError, ValueError) as e:
+        detail = (str(e).splitlines() or [""])[0][:200]  # (torch's messages hold a C++ trace)
+        raise CorruptCheckpointError(
+            f"cannot allocate the {n} bytes (shape {list(shape)}, {dtype}) the manifest "
+            f"declares: {type(e).__name__}: {detail} (a crafted or damaged manifest, or too "
+            "little memory)", **where) from e
+
+
+# ---------------------------------------------------------------------------------- convert
+
+def write_chunks(writer: Any, batch: list) -> list:
+    """(convert) Read ``batch``'s chunks (``fqn dtype shape offsets sizes load``: ``load()``
+    reads one from the source) and write them as shard files through ``writer`` (a
+    ``fastckpt.dcp.Writer``); the written chunks, as (fqn, chunk entry)."""
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                       TensorProperties)
+    from torch.distributed.checkpoint.planner import (SavePlan, TensorWriteData, WriteItem,
+                                                      WriteItemType)
+    data, items = {}, []
+    for c in batch:
+        data[(c.fqn, c.offsets)] = c.load()
+        offsets = torch.Size(c.offsets)
+        items.append(WriteItem(
+            index=MetadataIndex(c.fqn, offsets), type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, torch.Size(c.sizes)),
+                                        properties=TensorProperties(dtype=c.dtype),
+                                        size=torch.Size(c.shape))))
+    planner = SimpleNamespace(  # what fastckpt.dcp.Writer asks of a DCP save planner
+        resolve_data=lambda item: data[(item.index.fqn, tuple(item.tensor_data.chunk.offsets))])
+    results = writer.write_data(SavePlan(items), planner).wait()
+    return [(wr.index.fqn, ch) for wr in results for ch in wr.storage_data["chunks"]]
+
+
+def batches(chunks: list, limit: int):
+    """(convert) ``chunks`` in batches of at most ``limit`` bytes (``nbytes``; a larger chunk
+    alone)."""
+    batch, size = [], 0
+    for c in chunks:
+        if batch and size + c.nbytes > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(c)
+        size += c.nbytes
+    if batch:
+        yield batch

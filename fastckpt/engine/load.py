@@ -24,6 +24,7 @@ from ..manifest.index import writers_of
 from ..storage import Storage
 from ..storage.pyio import huge_pages
 from . import dist as _dist
+from .chunks import empty_for
 from .dtypes import tensor_meta
 from .reader import FastCkptReader
 from .state import is_dtensor, plan_load, plan_read
@@ -37,7 +38,8 @@ def alloc_in_phase(body: dict, fqn: str, meta: dict, like: torch.Tensor | None =
     address with the same remainder modulo 4096 as its saved chunk's file offset, so the
     reader can fill it with O_DIRECT without a read buffer or a copy (see
     ``FastCkptReader._direct_ok``). A view into a storage at most 4 KiB larger, advised to
-    transparent huge pages from 4 MiB on (``pyio.huge_pages``).
+    transparent huge pages from 4 MiB on (``pyio.huge_pages``). An allocation that fails (a
+    crafted shape, too little memory) is a CorruptCheckpointError naming the tensor.
 
     ``like``: a DTensor (an FSDP2 parameter) the new tensor is laid out like: a DTensor on the
     same mesh and placements whose local shard is allocated this way, in phase with the saved
@@ -61,8 +63,8 @@ def _alloc_local(body: dict, fqn: str, shape: tuple, offsets: tuple,
     at = [c for c in body["tensors"][fqn]["chunks"] if tuple(c["offsets"]) == offsets]
     chunk = next((c for c in at if tuple(c["sizes"]) == shape), at[0] if at else None)
     if chunk is None or nbytes < fmt.ALIGN:
-        return torch.empty(shape, dtype=dtype)
-    raw = torch.empty(nbytes + fmt.ALIGN, dtype=torch.uint8)
+        return empty_for(shape, dtype, key=fqn)
+    raw = empty_for(shape, dtype, pad=fmt.ALIGN, key=fqn)
     huge_pages(raw.data_ptr(), raw.numel())  # (the prefault thread faults them, 2 MiB each)
     skip = (int(chunk["offset"]) - raw.data_ptr()) % fmt.ALIGN
     return raw[skip:skip + nbytes].view(dtype).view(shape)

@@ -37,6 +37,7 @@ from ..storage.base import storage_error
 from ..storage.local import LocalStorage
 from ..storage.native import get_backend
 from ..storage.pyio import _address, _raw_view, aligned_buffer, populate
+from . import chunks as _chunks
 from . import compress as _compress
 from . import device as _device
 from . import dist as _dist
@@ -160,8 +161,9 @@ class FastCkptReader(StorageReader):
                 planner.load_bytes(req, buf)
                 continue
             fqn, c = entry
-            target = planner.resolve_tensor(req).detach()
-            by_chunk.setdefault((c["file"], int(c["offset"])), []).append((req, fqn, c, target))
+            item = (req, fqn, c, planner.resolve_tensor(req).detach())
+            if not _chunks.queue_read(by_chunk, item, self.body, self.step_dir, self.rank):
+                planner.commit_tensor(req, item[3])  # an empty chunk: nothing to read
         # chunks that fill a host destination (see _direct_ok) are read straight into it (no
         # read buffer, no copy); the rest, and device (CUDA) destinations, in spans
         backend = _device.default_backend()
@@ -238,16 +240,12 @@ class FastCkptReader(StorageReader):
         any such destination is read into directly (one copy, from the cache)."""
         if len(reqs) != 1:
             return False
-        req, fqn, c, t = reqs[0]
+        _, fqn, c, t = reqs[0]
         n = int(c["length"])
         if "codec" in c:  # compressed: read in a span and decoded
             return False
-        if not (n > 0 and t.device.type == "cpu" and t.is_contiguous()
-                and not t.is_conj() and not t.is_neg() and t.numel() * t.element_size() == n
-                and list(t.shape) == list(c["sizes"])
-                and not any(req.storage_offsets) and list(req.lengths) == list(c["sizes"])
-                and t.dtype == torch_dtype(self.body["tensors"][fqn]["dtype"],
-                                           file=f"{self.step_dir}/{fmt.MANIFEST}")):
+        if not (n > 0 and t.numel() * t.element_size() == n
+                and self._whole_into(reqs, fqn, c)):
             return False
         if not self._read_direct_io():
             return True
@@ -387,13 +385,14 @@ class FastCkptReader(StorageReader):
         n = int(c["length"])
         dtype = torch_dtype(self.body["tensors"][fqn]["dtype"], file=path)
         if n == 0 and "codec" not in c:
-            return torch.empty(c["sizes"], dtype=dtype)
+            return _chunks.empty_for(c["sizes"], dtype, key=fqn, file=path, rank=self.rank)
         rel = int(c["offset"]) - span.start
         if self.verify:
             self._check_hash(self._io.hash(buf[rel:rel + n], n), fqn, c)
         if "codec" in c:
             from ..storage import codec
-            out = into if into is not None else torch.empty(c["sizes"], dtype=dtype)
+            out = into if into is not None else _chunks.empty_for(c["sizes"], dtype, key=fqn,
+                                                                  file=path, rank=self.rank)
             if out.numel():
                 codec.decode_into(buf[rel:rel + n], c["codec"],
                                   _raw_view(out.data_ptr(), out.numel() * out.element_size()),

@@ -86,7 +86,7 @@ CODEC = "zstd"
 DEFAULT_LEVEL = 1
 DEFAULT_BLOCK = 4 << 20
 MIN_BLOCK = 64 << 10
-MAX_BLOCK = 64 << 20
+MAX_BLOCK = 16 << 20  # (fastckpt's writer uses DEFAULT_BLOCK; 16 MiB: the largest measured)
 MIN_LEVEL, MAX_LEVEL = -7, 22
 GROUP_WIDTHS = (1, 2, 4, 8)
 RAW_AT = 0.98  # a plane whose probes compress to >= 98% of their size is stored raw
@@ -254,9 +254,13 @@ def _plane_sizes(length: int, group: int) -> list[int]:
     return [m] * (group - 1) + [length - m * (group - 1)]
 
 
-def _frame_bound(n: int) -> int:
-    """The largest stored frame zstd may emit for n raw bytes (ZSTD_COMPRESSBOUND + headers)."""
-    return n + (n >> 8) + (((128 << 10) - n) >> 11 if n < (128 << 10) else 0) + 64
+def _frame_range(n: int) -> tuple[int, int]:
+    """The shortest and longest stored frame of n raw bytes: at least the magic and header
+    descriptor (5 bytes) and per 128 KiB (a zstd block's most content) a block of 4 bytes or
+    more (header, RLE byte): zeros at level 19 take 145 bytes per 4 MiB, this floor 133, so a
+    description asks at most ~32768 raw bytes per stored byte; at most ZSTD_COMPRESSBOUND."""
+    lo = max(MIN_FRAME, 5 + 4 * _nblocks(n, _ZSTD_BLOCK_MAX))
+    return lo, n + (n >> 8) + (((128 << 10) - n) >> 11 if n < (128 << 10) else 0) + 64
 
 
 def frame_spans(desc: dict, raw_nbytes: int) -> list[tuple[int, int, int, int, int]]:
@@ -320,13 +324,13 @@ def validate_desc(desc: Any, raw_nbytes: int, stored_nbytes: int, **where: Any) 
                   f"with {group} plane(s) each (expected {nblocks * group})")
     sizes = (_plane_sizes(block, group),  # full blocks, then the last one
              _plane_sizes(raw_nbytes - (nblocks - 1) * block, group))
-    bounds = [[_frame_bound(n) for n in ns] for ns in sizes]
+    bounds = [[_frame_range(n) for n in ns] for ns in sizes]
     tail, total = len(frames) - group, 0
     for i, f in enumerate(frames):  # one lean pass: a large state has 10^5 frames
-        last = i >= tail
-        if type(f) is not int or not MIN_FRAME <= f <= bounds[last][i % group]:
+        lo, hi = bounds[i >= tail][i % group]
+        if type(f) is not int or not lo <= f <= hi:
             raise bad(f"frame {i} at stored offset {total}: length {f!r} impossible for "
-                      f"{sizes[last][i % group]} raw bytes")
+                      f"{sizes[i >= tail][i % group]} raw bytes")
         total += f
     if total != stored_nbytes:
         raise bad(f"frames sum to {total} bytes, the stored chunk has {stored_nbytes}")
