@@ -533,15 +533,17 @@ def inspect(root: str, step: int | None, chunks: bool, pattern: str | None, valu
         _emit_json(doc)
         return EXIT_OK
     _echo(f"step {doc['step']}  {doc['path']}")
-    _echo(f"  created {doc['created']}  save {doc['save_id']}  world size {doc['world_size']}  "
-          f"fastckpt {doc['fastckpt_version']}  torch {doc['torch_version']}")
+    _echo(f"  created {_shown(doc['created'])}  save {doc['save_id']}  world size "
+          f"{doc['world_size']}  fastckpt {_shown(doc['fastckpt_version'])}  torch "
+          f"{_shown(doc['torch_version'])}")
     _echo(f"  {len(doc['files'])} shard file(s), {_hb(doc['data_bytes'])}; "
           f"{len(doc['tensors'])} tensor(s)" + (f" matching {pattern!r}" if pattern else ""))
     t = _table("TENSOR", "DTYPE", "SHAPE", "SIZE", "SHARDING")
     total = 0
     for x in doc["tensors"]:
         total += x["bytes"]
-        _add_row(t, x["name"], x["dtype"], _shape(x["shape"]), _hb(x["bytes"]), x["sharding"])
+        _add_row(t, _shown(x["name"]), x["dtype"], _shape(x["shape"]), _hb(x["bytes"]),
+                 _shown(x["sharding"]))
         if chunks:
             for c in x["chunks"]:
                 box = "+".join(_shape(v) for v in (c["offsets"], c["sizes"]))
@@ -556,9 +558,15 @@ def inspect(root: str, step: int | None, chunks: bool, pattern: str | None, valu
         if doc["plain_values_per_rank"]:
             flat = {f"{r}: {k}": v for r, kv in flat.items() for k, v in kv.items()}
         for k, v in flat.items():
-            _echo(f"  {k} = {json.dumps(v, default=str)}")
+            _echo(f"  {_shown(k)} = {json.dumps(v, default=str)}")
     if doc["user_meta"]:
         _echo(f"user_meta: {json.dumps(doc['user_meta'], default=str)}")
     return EXIT_OK
 
 
+def _shown(x: object) -> str:
+    """A string of a manifest (untrusted) as printed: its non-printable characters escaped
+    (``\\x1b``), so that no terminal escape sequence a crafted manifest holds reaches the
+    terminal; ``json.dumps`` escapes the plain values and ``user_meta`` already."""
+    s = str(x)
+    return s if s.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in s)

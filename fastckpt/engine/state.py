@@ -204,6 +204,11 @@ def flatten(state: Any) -> Flat:
             f"the state nests deeper than {fmt.MAX_NESTING} levels (at key path "
             f"{where[:200]!r}); a checkpoint that deep could not be loaded (DCP's loader "
             "recurses per level): flatten it")
+    clash = fmt.flat_clash(flat.skeleton, UnsupportedStateError)
+    if clash is not None:  # refused here: every load of it would fail (DCP's flattening)
+        raise UnsupportedStateError(
+            f"two values of the state have the flattened name {clash!r} (as {{'a': {{'b': "
+            "...}, 'a.b': ...} do): no load could tell them apart; rename one")
     return flat
 
 

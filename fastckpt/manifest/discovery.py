@@ -57,6 +57,7 @@ def read_manifest(storage: Storage, step_dir: str, *, step: int | None = None,
     load's, which knows the boxes its rank reads) naming the saving ranks whose indexes to
     read, or None for every index (:func:`select_indexes`)."""
     path = f"{step_dir}/{fmt.MANIFEST}"
+    refuse_link(storage, step_dir)
     try:
         n = storage.size(path)
         if n is None:
@@ -84,6 +85,19 @@ def read_manifest(storage: Storage, step_dir: str, *, step: int | None = None,
         from .index import read_indexes
         return read_indexes(storage, step_dir, body, file=path, own=select_indexes(body, own))
     return body
+
+
+def refuse_link(storage: Storage, step_dir: str) -> None:
+    """CorruptCheckpointError when a step directory of a local root is a symbolic link: the
+    listings leave such a directory out, and a step named by its number (``load(step=N)``,
+    ``fastckpt inspect --step N``) must not lead out of the root either (storage/local.py)."""
+    if not storage.is_local or step_dir.rstrip("/") == storage.root.rstrip("/"):
+        return
+    import os
+    if os.path.islink(step_dir):  # (an lstat: the link is not followed)
+        raise CorruptCheckpointError("the step directory is a symbolic link; fastckpt never "
+                                     "follows links inside the root (listings leave them "
+                                     "out)", file=step_dir)
 
 
 #: what ``read_manifest``'s ``own`` may be: (rank, world size), or a function of the body
@@ -228,12 +242,12 @@ def root_hint(storage: Storage) -> str | None:
     return None
 
 
-_DCP_DATA = re.compile(r"^__\d+_\d+\.distcp$")  # FileSystemWriter's files: __RANK_N.distcp
-_ANY_STEP = re.compile(r"^step[-_]?(\d+)$")  # torchtitan's step-N, any number of digits
+_DCP_DATA = re.compile(r"__[0-9]+_[0-9]+\.distcp")  # FileSystemWriter's files: __RANK_N.distcp
+_ANY_STEP = re.compile(r"step[-_]?([0-9]+)")  # torchtitan's step-N, any number of digits
 
 
 def _is_dcp_dir(names: list[str]) -> bool:
-    return DCP_METADATA in names and any(_DCP_DATA.match(n) for n in names)
+    return DCP_METADATA in names and any(_DCP_DATA.fullmatch(n) for n in names)
 
 
 def dcp_hint(storage: Storage) -> str | None:
@@ -254,7 +268,7 @@ def dcp_hint(storage: Storage) -> str | None:
                 f"`fastckpt convert {show(root)} ROOT` to make a fastckpt checkpoint of it")
     if any(fmt.parse_step_dirname(n) is not None for n in names):
         return None  # fastckpt's own steps (next to DCP ones a run wrote before switching)
-    steps = sorted(((int(m.group(1)), n) for n in names if (m := _ANY_STEP.match(n))),
+    steps = sorted(((int(m.group(1)), n) for n in names if (m := _ANY_STEP.fullmatch(n))),
                    reverse=True)
     for _, n in steps[:3]:
         try:

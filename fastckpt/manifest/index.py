@@ -54,7 +54,7 @@ INDEX_SUFFIX = ".fci"
 MAX_INDEX_BYTES = 1 << 28
 #: index files read at once (object stores: one GET each)
 READ_THREADS = 8
-_INDEX_RE = re.compile(r"^r\d{5,}-[A-Za-z0-9_-]{1,64}" + re.escape(INDEX_SUFFIX) + "$")
+_INDEX_RE = re.compile(r"r[0-9]{5,}-[A-Za-z0-9_-]{1,64}" + re.escape(INDEX_SUFFIX))
 
 
 def index_name(rank: int, save_id: str) -> str:
@@ -62,7 +62,7 @@ def index_name(rank: int, save_id: str) -> str:
 
 
 def is_index_name(name: object) -> bool:
-    return isinstance(name, str) and bool(_INDEX_RE.match(name))
+    return isinstance(name, str) and bool(_INDEX_RE.fullmatch(name))
 
 
 def encode_index(rank: int, save_id: str, files: list[dict]) -> tuple[bytes, dict]:
@@ -233,6 +233,11 @@ def _cut(spans: list, k: int, j: int, sf: int | None) -> list:
     return out
 
 
+#: an index chunk's fields and their JSON types (the values are checked by validate_body)
+_FIELDS = (("offsets", list), ("sizes", list), ("file", str), ("offset", int), ("length", int),
+           ("checksum", str))
+
+
 def _key(c: dict) -> tuple:
     return (tuple(c["offsets"]), tuple(c["sizes"]), c["file"], c["offset"], c["length"],
             c["checksum"], c["rank"], json.dumps(c.get("codec"), sort_keys=True))
@@ -281,10 +286,15 @@ def expand(body: dict, docs: list, *, file: str, step_dir: str,
                 raise bad("lists a tensor the manifest does not hold", key=str(fqn))
             if not isinstance(cs, list) or not all(isinstance(c, dict) for c in cs):
                 raise bad("its chunk list is not a list of mappings", key=fqn)
-            for c in cs:
-                if files.get(c.get("file"), {}).get("rank") != r:
-                    raise bad(f"a chunk is in file {c.get('file')!r}, which is not one of "
-                              f"rank {r}'s files in the manifest", key=fqn)
+            for i, c in enumerate(cs):
+                wrong = [k for k, kind in _FIELDS if not isinstance(c.get(k), kind)
+                         or isinstance(c.get(k), bool)]
+                if wrong:
+                    raise bad(f"chunk {i} of the tensor has no valid {wrong[0]!r} (JSON "
+                              f"of Python type {type(c.get(wrong[0])).__name__})", key=fqn)
+                if files.get(c["file"], {}).get("rank") != r:
+                    raise bad(f"chunk {i} of the tensor is in file {c['file']!r}, which is not "
+                              f"one of rank {r}'s files in the manifest", key=fqn)
                 c["rank"] = r
             (seen[fqn] if fqn in inline else t["chunks"]).extend(cs)
     for fqn in inline:
@@ -293,7 +303,7 @@ def expand(body: dict, docs: list, *, file: str, step_dir: str,
             listed = [c for c in listed if c.get("rank") in own]
         try:
             agree = sorted(map(_key, seen[fqn])) == sorted(map(_key, listed))
-        except (KeyError, TypeError):
+        except (KeyError, TypeError, ValueError, RecursionError):
             agree = False
         if not agree:
             raise CorruptCheckpointError(

@@ -50,7 +50,9 @@ SHARD_SUFFIX = ".fck"
 INFLIGHT_PREFIX = ".inflight-"
 #: in a local root with a remote tier (``Checkpointer(local, remote=url)``): {"remote": url}
 TIERS = ".tiers.json"
-_STEP_RE = re.compile(r"^step-(\d{10,})$")
+#: names are checked with ``fullmatch`` and ``[0-9]``: ``$`` also matches before a final "\n",
+#: ``\d`` also matches other scripts' digits (Arabic-Indic ones are no step number)
+_STEP_RE = re.compile(r"step-([0-9]{10,})")
 
 #: dtype name (as torch prints it, without "torch.") -> bytes per element
 DTYPES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex64": 8,
@@ -63,7 +65,7 @@ def step_dirname(step: int) -> str:
 
 
 def parse_step_dirname(name: str) -> int | None:
-    m = _STEP_RE.match(name)
+    m = _STEP_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -124,22 +126,24 @@ MAX_MANIFEST_BYTES = 1 << 30
 MAX_NESTING = 100
 #: the most dimensions a saved tensor may have (torch allows 64)
 MAX_NDIM = 64
+#: a bound on each dimension and on the element count of a saved tensor (torch's are int64)
+MAX_DIM = 1 << 62
 #: shard file names: what ``shard_name`` writes (no separator, no leading dot, so never ``..``)
-_FILE_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,200}" + re.escape(SHARD_SUFFIX) + "$")
+_FILE_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,200}" + re.escape(SHARD_SUFFIX))
 #: save ids: what the engine proposes (uuid hex); they are joined into shard and marker names
-_SAVE_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_HEX16_RE = re.compile(r"^[0-9a-f]{16}$")
+_SAVE_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_HEX16_RE = re.compile(r"[0-9a-f]{16}")
 _PLAIN_TAGS = ("$tensor", "$tuple", "$dict", "$float")
 
 
 def is_safe_name(name: object) -> bool:
     """Whether a name taken from a manifest may be joined into a path under the step directory:
     a shard name (letters, digits, ``._-``, no separator, no leading dot, so no ``..``)."""
-    return isinstance(name, str) and bool(_FILE_RE.match(name))
+    return isinstance(name, str) and bool(_FILE_RE.fullmatch(name))
 
 
 def is_save_id(sid: object) -> bool:
-    return isinstance(sid, str) and bool(_SAVE_ID_RE.match(sid))
+    return isinstance(sid, str) and bool(_SAVE_ID_RE.fullmatch(sid))
 
 
 def decode_manifest(data: bytes, *, file: str, step: int | None = None) -> dict:
@@ -264,7 +268,7 @@ def validate_body(body: dict, *, file: str, step: int | None = None,
         if not _is_int(info.get("rank")) or not 0 <= info["rank"] < world:
             raise bad(f"file {name!r} has rank {info.get('rank')!r}, not in [0, {world})")
         if "checksum" in info and not (isinstance(info["checksum"], str)
-                                       and _HEX16_RE.match(info["checksum"])):
+                                       and _HEX16_RE.fullmatch(info["checksum"])):
             raise bad(f"file {name!r} has an invalid checksum")
     if "indexes" in body:
         _validate_indexes(body["indexes"], world, bad)
@@ -292,6 +296,10 @@ def validate_body(body: dict, *, file: str, step: int | None = None,
             raise bad("has neither 'tree' nor one 'rank_trees' entry per rank")
     for tree in trees:
         _validate_tree(tree, tensors, bad)
+        clash = flat_clash(tree, bad)
+        if clash is not None:
+            raise bad(f"two values of the saved state have the flattened name {clash!r} (as "
+                      "{'a': {'b': ...}} and 'a.b' do), which no load can tell apart")
     meta = body.get("user_meta", {})
     if not isinstance(meta, dict) or too_deep(meta) is not None:
         raise bad(f"user_meta is not a mapping nested at most {MAX_NESTING} levels")
@@ -305,7 +313,8 @@ def _validate_indexes(indexes: object, world: int, bad) -> None:
     for r, e in enumerate(indexes):
         if (not isinstance(e, dict) or not is_index_name(e.get("file"))
                 or not _is_int(e.get("size")) or e["size"] < 0
-                or not isinstance(e.get("checksum"), str) or not _HEX16_RE.match(e["checksum"])):
+                or not isinstance(e.get("checksum"), str)
+                or not _HEX16_RE.fullmatch(e["checksum"])):
             raise bad(f"the index entry of rank {r} is not a valid index file name, size and "
                       "checksum")
 
@@ -319,8 +328,10 @@ def _validate_tensor(fqn: object, t: object, files: dict, world: int, bad,
         raise bad(f"unknown dtype {t.get('dtype')!r}", key=fqn)
     shape = t.get("shape")
     if (not isinstance(shape, list) or len(shape) > MAX_NDIM
-            or not all(_is_int(n) and n >= 0 for n in shape)):
-        raise bad(f"shape {shape!r} is not a list of non-negative ints", key=fqn)
+            or not all(_is_int(n) and 0 <= n < MAX_DIM for n in shape)):
+        raise bad(f"shape {shape!r} is not a list of non-negative ints below 2**62", key=fqn)
+    if math.prod(shape) >= MAX_DIM:  # (torch's sizes are int64; a zero dim hides none)
+        raise bad(f"shape {shape} holds 2**62 elements or more", key=fqn)
     if not with_chunks:
         if "chunks" in t:
             raise bad("a tensor of a manifest with per-rank indexes lists chunks", key=fqn)
@@ -365,7 +376,7 @@ def _validate_tensor(fqn: object, t: object, files: dict, world: int, bad,
                       f"size {files[name]['size']}", key=fqn)
         if not _is_int(c.get("rank")) or not 0 <= c["rank"] < world:
             raise bad(f"chunk {offs} has rank {c.get('rank')!r}", key=fqn)
-        if not isinstance(c.get("checksum"), str) or not _HEX16_RE.match(c["checksum"]):
+        if not isinstance(c.get("checksum"), str) or not _HEX16_RE.fullmatch(c["checksum"]):
             raise bad(f"chunk {offs} has an invalid checksum {c.get('checksum')!r}", key=fqn)
         if numel:
             boxes.append((offs, sizes))
@@ -390,26 +401,10 @@ def _validate_tensor(fqn: object, t: object, files: dict, world: int, bad,
 
 
 def _first_overlap(boxes: list) -> tuple | None:
-    """Two boxes that share an element, or None: a sweep along the dimension with the most
-    distinct chunk starts (dim 0 for FSDP shards and row pieces) compares only boxes whose
-    ranges along it meet."""
-    if len(boxes) < 2:
-        return None
-    ndim = len(boxes[0][0])
-    if ndim == 0:
-        return boxes[0], boxes[1]  # 0-d: one element, so two non-empty chunks overlap
-    dim = max(range(ndim), key=lambda d: len({b[0][d] for b in boxes}))
-    order = sorted(boxes, key=lambda b: b[0][dim])
-    active: list = []
-    for b in order:
-        lo = b[0][dim]
-        active = [a for a in active if a[0][dim] + a[1][dim] > lo]
-        for a in active:
-            if all(ao < bo + bs and bo < ao + as_
-                   for ao, as_, bo, bs in zip(a[0], a[1], b[0], b[1])):
-                return a, b
-        active.append(b)
-    return None
+    """Two boxes that share an element, or None (fastckpt/manifest/verify.py: bounded for any
+    layout a manifest may hold)."""
+    from .verify import first_overlap
+    return first_overlap(boxes)
 
 
 def _validate_tree(tree: object, tensors: dict, bad) -> None:
@@ -454,6 +449,39 @@ def _validate_tree(tree: object, tensors: dict, bad) -> None:
             for k, val in v:
                 stack.append((k, depth + 1, True))
                 stack.append((val, depth + 1, False))
+
+
+def flat_clash(tree: object, bad) -> str | None:
+    """A name DCP's ``flatten_state_dict`` (every load's, engine/reader.py) gives two values
+    of a checked skeleton, else None: it names a value by its key path, keys as ``str(key)``
+    (a mapping's keys decoded as a load decodes them), a list's indices when the list holds a
+    tensor or a mapping (at any depth, through lists), and joins them with "."."""
+    from .values import TENSOR_TAG, skel_items
+    memo: dict[int, bool] = {}
+
+    def walked(x: object) -> bool:  # torch's ``not _is_terminal``; depth <= MAX_NESTING
+        if isinstance(x, dict):
+            return TENSOR_TAG in x or skel_items(x) is not None
+        if id(x) not in memo:
+            memo[id(x)] = isinstance(x, list) and any(walked(v) for v in x)
+        return memo[id(x)]
+    seen: set[str] = set()
+    stack: list = [((), tree)]
+    while stack:
+        path, x = stack.pop()
+        items = skel_items(x)
+        if items is not None:
+            try:
+                stack.extend((path + (str(k),), v) for k, v in dict(items).items())
+            except TypeError:  # a key a load cannot decode ((1, [2]): no dict holds it)
+                raise bad("a key of the saved state is not hashable") from None
+        elif isinstance(x, list) and walked(x):
+            stack.extend((path + (str(i),), v) for i, v in enumerate(x))
+        elif ".".join(path) in seen:
+            return ".".join(path)
+        else:
+            seen.add(".".join(path))
+    return None
 
 
 def new_manifest_body(*, step: int, world_size: int, save_id: str, files: dict,
