@@ -214,3 +214,39 @@ def test_an_async_save_still_running_at_a_normal_exit_is_committed(root, compres
     assert fastckpt.load(got, root) == 1
     for i in range(3):
         assert torch.equal(got[f"w{i}"], torch.arange(1 << 20, dtype=torch.float32) * (i + 1))
+
+
+class _NoManifest(FaultyStorage):
+    """A disk that is full for the next manifest (the commit point itself fails)."""
+
+    full = False
+
+    def bounded(self, deadline):
+        b = _NoManifest(self.inner.bounded(deadline))
+        b._shared = self._shared
+        return b
+
+    def publish_manifest(self, path, data):
+        if _NoManifest.full:
+            raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+        return super().publish_manifest(path, data)
+
+
+@pytest.mark.parametrize("block", [True, False])
+def test_a_manifest_that_cannot_be_written_fails_the_save_and_loses_nothing(root, block):
+    ck = fastckpt.Checkpointer(_NoManifest(open_storage(root)), commit_timeout_s=5)
+    st = {"w": torch.arange(1 << 20, dtype=torch.float32), "n": 1}
+    ck.save(st, step=1, block=True)
+    before = st["w"].clone()
+    _NoManifest.full = True
+    with pytest.raises(fastckpt.FastCkptError, match="No space left on device"):
+        ck.save({**st, "n": 2}, step=2, block=block).wait(timeout=60)
+    _NoManifest.full = False
+    assert torch.equal(st["w"], before) and st["n"] == 1  # nothing the user passed changed
+    assert fastckpt.steps(root) == [1]
+    assert not os.path.exists(os.path.join(root, "step-0000000002", "manifest.json"))
+    got = {"w": torch.zeros(1 << 20), "n": 0}
+    assert fastckpt.load(got, root) == 1 and torch.equal(got["w"], before) and got["n"] == 1
+    ck.save({**st, "n": 3}, step=3, block=True)  # and the next save commits
+    ck.close()
+    assert fastckpt.steps(root) == [1, 3]
