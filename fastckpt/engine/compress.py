@@ -42,7 +42,7 @@ from ..manifest import schema as fmt
 from ..storage import codec
 from ..storage.native import aligned_buffer
 from ..storage.pyio import _raw_view
-from .threads import Threads
+from ..storage.threads import Threads
 
 log = logging.getLogger("fastckpt")
 
@@ -97,7 +97,7 @@ class Compression:
 
     @property
     def pool(self) -> Threads:
-        """The encoders (engine/threads.py: a save finished from ``atexit`` still encodes);
+        """The encoders (storage/threads.py: a save finished from ``atexit`` still encodes);
         made by :meth:`start`, in the training thread."""
         return self.start()
 

@@ -262,7 +262,7 @@ class Engine:
         compress = self._compression.decide(
             data, record_bps=self._bench_bps(),
             upload_bps=self._tier.bytes_per_s() if self._tier is not None else None)
-        if compress:  # (its threads start here, not in the writer: see engine/threads.py)
+        if compress:  # (its threads start here, not in the writer: see storage/threads.py)
             self._compression.start()
         # a blocking save on a local file system is written straight from the tensors (the
         # caller does not touch them until it returns): no staging copy, no staging memory

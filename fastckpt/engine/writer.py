@@ -49,7 +49,7 @@ from .commit import commit
 from .handle import SaveHandle
 from .plan import SavePlan
 from .staging import Gathered, StagingPool
-from .threads import Threads
+from ..storage.threads import Threads
 
 log = logging.getLogger("fastckpt")
 
@@ -104,7 +104,7 @@ class Writer:
         self._thread: threading.Thread | None = None
         #: the shard writes' threads (WRITE_STREAMS, or the store's count), made with the
         #: writer thread: a save still running when the process exits (``close`` from
-        #: ``atexit``) writes on them (engine/threads.py)
+        #: ``atexit``) writes on them (storage/threads.py)
         self._io: Threads | None = None
 
     def submit(self, job: Job) -> None:

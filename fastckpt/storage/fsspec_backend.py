@@ -10,9 +10,12 @@ as a coroutine on the file system's event loop and is waited for at most ``op_ti
 (data transfers: one more second per 8 MiB), or until the deadline of a
 :meth:`FsspecStorage.bounded` view when that comes first; then it is cancelled (the HTTP
 request is torn down, and the client's retry loop with it) and a StorageError names the
-operation, the URL and the bound that passed. Synchronous file systems (``memory://``) are
-called directly: they have no network to hang on. Shard uploads go through ``fs.open``, one
-stream: their requests are bounded only by their clients' own timeouts.
+operation, the URL and the bound that passed. Synchronous file systems (``memory://``, and
+networked ones: sftp, ftp, webdav, hdfs) are called on a small shared pool of threads
+(:data:`SYNC_THREADS`) and waited for within the same bound; a call that does not return by
+then is left to its thread (nothing can stop it) and a StorageError is raised, so a save or a
+load never waits past its bound. Shard uploads go through ``fs.open``, one stream: their
+requests are bounded only by their clients' own timeouts.
 
 A shard upload that fails is *discarded*, never closed: closing an fsspec file after an error
 commits the partial object (a buffered upload completes with the parts sent so far). For
@@ -38,6 +41,7 @@ import concurrent.futures
 import copy
 import logging
 import sys
+import threading
 import time
 from typing import Sequence
 
@@ -45,6 +49,7 @@ import xxhash
 
 from . import native as _native
 from .base import Storage, storage_error
+from .threads import Threads
 
 log = logging.getLogger("fastckpt")
 
@@ -56,6 +61,19 @@ _READ_PIECE = 32 << 20
 _MIN_RATE = 8 << 20
 #: the longest an abort or removal after a failure may take (seconds), whatever the deadline
 _CLEANUP_S = 10.0
+#: threads that run the calls of synchronous file systems (shared by every root of the
+#: process; a call stuck for ever holds one: the others still run, and a call that waits for
+#: a free thread still ends at its bound)
+SYNC_THREADS = 8
+_sync_pool: list = []
+_sync_lock = threading.Lock()
+
+
+def _sync_threads() -> Threads:
+    with _sync_lock:
+        if not _sync_pool:
+            _sync_pool.append(Threads(SYNC_THREADS, "fastckpt-fsspec"))
+        return _sync_pool[0]
 
 #: botocore settings fastckpt gives an s3 file system where ``config_kwargs`` does not set
 #: them (see the module docstring): one try per request, fastckpt retries
@@ -124,6 +142,8 @@ class FsspecStorage(Storage):
         #: begins the upload got no answer (the endpoint may or may not have begun one)
         self.unaborted: list[dict] = []
         self._async = bool(getattr(fs, "async_impl", False))
+        if not self._async:  # (its threads start here, never at exit: see threads.py)
+            _sync_threads()
         self._s3 = _is_s3fs(fs)
 
     def bounded(self, deadline: float | None) -> "FsspecStorage":
@@ -186,9 +206,12 @@ class FsspecStorage(Storage):
         return self._wait(op, fut, timeout, bound)
 
     def _call(self, name: str, *args, nbytes: int = 0, timeout: float | None = None, **kw):
-        """``fs.<name>(*args, **kw)``: bounded on async file systems, direct on sync ones."""
+        """``fs.<name>(*args, **kw)`` within the bound: a coroutine on an async file system's
+        loop, a call on a pool thread of a synchronous one."""
         if not self._async:
-            return getattr(self.fs, name)(*args, **kw)
+            bound_s, bound = self._bound(name, nbytes, timeout)
+            fut = _sync_threads().submit(getattr(self.fs, name), *args, **kw)
+            return self._wait(name, fut, bound_s, bound)
         return self._run(name, getattr(self.fs, "_" + name), *args, nbytes=nbytes,
                          timeout=timeout, **kw)
 
