@@ -546,13 +546,21 @@ def _tree_blocks(trees: list) -> int | None:
     by chance holds the same keys as the others' and is never mapped)."""
     n = len(trees)
     keys = [json.dumps(t, sort_keys=True) for t in trees]  # (once each: thousands of ranks)
-    for blocks in range(1, n // 2 + 1):
-        size = n // blocks
-        if n % blocks == 0 and all(keys[i] == keys[i - i % size] for i in range(n)):
-            shapes = {json.dumps(_keys_of(trees[b * size]), sort_keys=True)
-                      for b in range(blocks)}
-            return blocks if len(shapes) == blocks else None
-    return None
+    # blocks of `size` ranks hold one skeleton each when `size` divides n and every place
+    # where the skeleton changes: the largest such size (the fewest blocks) is their gcd.
+    # O(n) (trying every block count was O(n * divisors(n)): 12 s for a crafted manifest of
+    # 720720 ranks)
+    size = n
+    for i in range(1, n):
+        if keys[i] != keys[i - 1]:
+            size = math.gcd(size, i)
+            if size < 2:
+                return None
+    if size < 2:
+        return None
+    blocks = n // size
+    shapes = {json.dumps(_keys_of(trees[b * size]), sort_keys=True) for b in range(blocks)}
+    return blocks if len(shapes) == blocks else None
 
 
 def _keys_of(tree: Any) -> Any:
