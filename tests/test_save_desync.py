@@ -250,3 +250,80 @@ def test_a_manifest_that_cannot_be_written_fails_the_save_and_loses_nothing(root
     ck.save({**st, "n": 3}, step=3, block=True)  # and the next save commits
     ck.close()
     assert fastckpt.steps(root) == [1, 3]
+
+
+class _UnclearManifest(FaultyStorage):
+    """A manifest write that reports an error after it landed (``land``: a directory fsync
+    that failed after the rename, an object store's PUT whose answer was lost) or before it
+    (``land`` False), and reads of the manifest that fail ``fail_reads`` times."""
+
+    armed = False
+    land = True
+    fail_reads = 0
+
+    def bounded(self, deadline):
+        b = _UnclearManifest(self.inner.bounded(deadline))
+        b._shared = self._shared
+        return b
+
+    def publish_manifest(self, path, data):
+        if not _UnclearManifest.armed:
+            return super().publish_manifest(path, data)
+        if _UnclearManifest.land:
+            self.inner.publish_manifest(path, data)
+        raise OSError(errno.EIO, "Input/output error (simulated, after the write)"
+                      if _UnclearManifest.land else "Input/output error (simulated)")
+
+    def _read_fails(self, path):
+        if path.endswith("manifest.json") and _UnclearManifest.fail_reads > 0:
+            _UnclearManifest.fail_reads -= 1
+            raise OSError(errno.EIO, "Input/output error (simulated read)")
+
+    def size(self, path):
+        self._read_fails(path)
+        return super().size(path)
+
+    def read_bytes(self, path):
+        self._read_fails(path)
+        return super().read_bytes(path)
+
+
+@pytest.fixture
+def unclear():
+    yield _UnclearManifest
+    _UnclearManifest.armed, _UnclearManifest.land, _UnclearManifest.fail_reads = False, True, 0
+
+
+@pytest.mark.parametrize("step", [2, 1])  # a new step; a re-save of the committed one
+def test_a_manifest_write_that_errs_after_it_landed_commits_and_keeps_its_shards(root, unclear,
+                                                                                 step):
+    """The ranks removed the shards of a save whose manifest landed but whose write reported
+    an error: the step (for a re-save, the only copy of it) named missing files."""
+    ck = fastckpt.Checkpointer(_UnclearManifest(open_storage(root)))
+    ck.save({"w": torch.zeros(1000)}, step=1, block=True)
+    unclear.armed = True
+    ck.save({"w": torch.full((1000,), 7.0)}, step=step, block=True)  # committed all the same
+    unclear.armed = False
+    ck.close()
+    got = {"w": torch.zeros(1000)}
+    assert fastckpt.load(got, root) == max(step, 1) and torch.equal(got["w"], torch.full((1000,), 7.0))
+    from fastckpt.tools.verify import verify_step
+    assert verify_step(root, step, record=False).ok
+
+
+def test_a_manifest_write_whose_outcome_cannot_be_read_keeps_every_file(root, unclear):
+    """The write erred before it landed, and reading it back erred too: whether the step is
+    committed is unknown, so no file is removed; the committed step stays as it was."""
+    ck = fastckpt.Checkpointer(_UnclearManifest(open_storage(root)))
+    ck.save({"w": torch.zeros(1000)}, step=1, block=True)
+    unclear.armed, unclear.land, unclear.fail_reads = True, False, 2
+    with pytest.raises(fastckpt.CommitTimeoutError, match="unknown") as ei:
+        ck.save({"w": torch.ones(1000)}, step=2, block=True)
+    assert ei.value.outcome_unknown
+    assert any(n.endswith(".fck") for n in os.listdir(os.path.join(root, "step-0000000002")))
+    unclear.armed = False
+    assert fastckpt.steps(root) == [1]
+    got = {"w": torch.ones(1000)}
+    assert fastckpt.load(got, root) == 1 and torch.equal(got["w"], torch.zeros(1000))
+    ck.save({"w": torch.ones(1000)}, step=3, block=True)
+    ck.close()

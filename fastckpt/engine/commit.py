@@ -38,12 +38,16 @@ import logging
 import time
 from typing import Any, Callable
 
-from ..errors import CommitTimeoutError, SaveFailedError
+from ..errors import CommitTimeoutError, CorruptCheckpointError, SaveFailedError
+from ..manifest.discovery import read_manifest
+from ..storage import Storage
 from .dist import StoreUnreachable
 
 log = logging.getLogger("fastckpt")
 
 
+#: reading a manifest back after its write reported an error, at most (seconds)
+READ_BACK_S = 10.0
 #: how much longer than the coordinator the other ranks wait for its decision
 OUTCOME_GRACE_S = 2.0
 #: how much longer than that the coordinator waits for their acknowledgements
@@ -77,9 +81,10 @@ def commit(exchange: Any, *, save_id: str, rank: int, world_size: int, result: d
                 try:
                     outcome = {"ok": True, **coordinator(results)}
                 except Exception as e:  # the manifest write failed: nothing was committed
-                    cause = e
+                    cause = e  # (or, ``outcome_unknown``, maybe it was: every rank looks)
                     outcome = {"ok": False, "failures": {0: f"commit failed: {e}"},
-                               "missing": []}
+                               "missing": [],
+                               "unknown": bool(getattr(e, "outcome_unknown", False))}
             decided = True
             exchange.set(out_key, json.dumps(outcome).encode())
             exchange.delete([mine])
@@ -125,6 +130,10 @@ def commit(exchange: Any, *, save_id: str, rank: int, world_size: int, result: d
                    if rank == 0 else "Whether the coordinator committed is unknown: look for "
                    "the manifest"),
                 missing_ranks=e.ranks, rank=rank, outcome_unknown=rank != 0) from e
+    if not outcome["ok"] and outcome.get("unknown"):
+        raise CommitTimeoutError(
+            f"save {save_id}: {outcome['failures'].get('0') or outcome['failures'].get(0)}",
+            outcome_unknown=True, rank=rank) from cause
     if not outcome["ok"]:
         missing_ranks = outcome.get("missing") or []
         failures = {int(r): m for r, m in outcome.get("failures", {}).items()}
@@ -151,3 +160,34 @@ def _ranks(exchange: Any, key: str) -> set[int]:
 
 def _late(deadline: float) -> str:
     return f"deadline passed {max(0.0, time.monotonic() - deadline):.1f}s ago"
+
+
+def publish_checked(st: Storage, storage: Storage, path: str, data: bytes, save_id: str, *,
+                    step: int) -> None:
+    """(coordinator) Publish a manifest; when the write reports an error, read back what is
+    there: the manifest may have landed all the same (a directory fsync that failed after the
+    rename, an object store's PUT whose answer was lost). Naming this save: committed (the
+    error is logged). Not naming it: the error is raised (nothing was committed, the ranks
+    remove their files). Unreadable: a FastCkptError with ``outcome_unknown``, so that no rank
+    removes the files a manifest may name (they once did: the step lost its shards)."""
+    try:
+        st.publish_manifest(path, data)
+        return
+    except Exception as e:
+        error = e
+    d = path.rsplit("/", 1)[0]
+    try:
+        body = read_manifest(storage.bounded(time.monotonic() + READ_BACK_S), d, step=step,
+                             chunks=False)
+    except CorruptCheckpointError:
+        body = None  # (a publish is atomic: what is there is not this save's)
+    except Exception as e:  # noqa: BLE001 - unknown stays unknown
+        raise CommitTimeoutError(
+            f"writing the manifest {path} reported an error ({type(error).__name__}: {error}) "
+            f"and reading it back failed too ({type(e).__name__}: {e}): whether step {step} "
+            "is committed is unknown; every rank keeps its files (`fastckpt ls` tells, "
+            "`fastckpt gc` removes them if not)", outcome_unknown=True) from error
+    if body is None or body.get("save_id") != save_id:
+        raise error
+    log.warning("fastckpt: the manifest write of save %s reported %s: %s, but the manifest at "
+                "%s names this save: committed", save_id, type(error).__name__, error, path)

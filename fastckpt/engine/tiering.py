@@ -66,7 +66,7 @@ from ..manifest import schema as fmt
 from ..manifest.discovery import find_step
 from ..retention import apply_retention
 from ..storage import Storage
-from .commit import commit
+from .commit import commit, publish_checked
 from .load import IndexSelector, load_into
 
 log = logging.getLogger("fastckpt")
@@ -421,7 +421,8 @@ class Tier:
         if up.manifest is None:
             raise FastCkptError(f"step {up.step}: the coordinator has no manifest to upload")
         _check_present(st, d, up)
-        st.publish_manifest(f"{d}/{fmt.MANIFEST}", up.manifest)
+        publish_checked(st, self.storage, f"{d}/{fmt.MANIFEST}", up.manifest, up.save_id,
+                        step=up.step)
         return {"step": up.step}
 
     def _housekeep(self, up: Upload, d: str) -> None:

@@ -45,7 +45,7 @@ from ..options import CheckpointOptions
 from ..retention import apply_retention
 from ..storage import Storage
 from . import dist as _dist
-from .commit import commit
+from .commit import commit, publish_checked
 from .handle import SaveHandle
 from .plan import SavePlan
 from .staging import Gathered, StagingPool
@@ -243,6 +243,8 @@ class Writer:
             # the coordinator may have committed before it became unreachable, and a manifest
             # may reference this rank's shards: they stay, whatever is found
             if local_exc is not None or not self._committed_anyway(job):
+                if not getattr(e, "missing_ranks", None):
+                    raise  # (the coordinator's manifest write: whether it landed is unknown)
                 raise CommitTimeoutError(
                     f"save {plan.save_id} of step {plan.step}: no commit decision from the "
                     "coordinator, rank(s) [0], within the deadline (rank 0 died, hangs, or its store "
@@ -398,8 +400,11 @@ class Writer:
         # raw)
         version = 4 if indexes else 3 if compressed else plan.format_version
         data = fmt.encode_manifest(body, max(plan.format_version, version))
-        st.publish_manifest(f"{d}/{fmt.MANIFEST}", data)
+        # (before the write: a coordinator that finds its manifest there after an unclear
+        # write, ``_committed_anyway``, keeps these in its housekeeping)
         job.files = set(files) | {i["file"] for i in indexes}
+        publish_checked(st, self.storage, f"{d}/{fmt.MANIFEST}", data, plan.save_id,
+                        step=plan.step)
         job.manifest = data
         # nothing else here: the outcome is published as soon as the manifest is (the other
         # ranks wait only until the deadline); housekeeping runs after it (_housekeep)
