@@ -3,6 +3,9 @@
 A step directory is *committed* when it holds ``manifest.json``, else *partial* (a save that
 is running, crashed, or was interrupted). Removal deletes the manifest first, so a crash
 half-way through leaves a partial directory, never a committed step with shards missing.
+The ``keep_last`` steps kept are the newest whose manifests read back valid (a damaged one is
+neither counted nor removed): a torn manifest once took a slot, and the loadable step it
+pushed out was removed.
 """
 
 from __future__ import annotations
@@ -10,8 +13,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from .errors import CorruptCheckpointError
 from .manifest import schema as fmt
-from .manifest.discovery import list_steps, marker_time
+from .manifest.discovery import list_steps, marker_time, read_manifest
 from .storage import Storage
 
 #: a partial step whose in-flight marker is younger than this may still be written by someone
@@ -41,6 +45,28 @@ def scan(storage: Storage) -> list[StepInfo]:
     return out
 
 
+def damaged_steps(storage: Storage, infos: list[StepInfo], keep_last: int) -> set[int]:
+    """The committed steps, newest first, whose manifest does not read back valid (read and
+    checked as ``resume`` checks it: the manifest, and the chunk indexes in one listing), read
+    until ``keep_last`` valid ones were found: the steps that count toward ``keep_last`` are
+    then the valid ones. A manifest that cannot be read at all (a storage error) is not
+    called damaged: retention then counts it as before rather than keep more steps."""
+    out: set[int] = set()
+    valid = 0
+    for info in reversed([i for i in infos if i.committed]):
+        if valid >= keep_last:
+            break
+        try:
+            if read_manifest(storage, info.path, step=info.step, chunks="listed") is None:
+                continue  # (removed meanwhile)
+            valid += 1
+        except CorruptCheckpointError:
+            out.add(info.step)
+        except Exception:  # noqa: BLE001 - unknown: counted, as before
+            valid += 1
+    return out
+
+
 def remove_step(storage: Storage, path: str) -> None:
     storage.remove(f"{path}/{fmt.MANIFEST}")
     storage.remove_dir(path)
@@ -48,16 +74,17 @@ def remove_step(storage: Storage, path: str) -> None:
 
 def plan_removal(infos: list[StepInfo], keep_last: int | None, *, protect: set[int] = frozenset(),
                  now: float | None = None, force_partial: bool = False,
-                 committed_only: bool = False,
-                 partial_below: int | None = None) -> list[StepInfo]:
+                 committed_only: bool = False, partial_below: int | None = None,
+                 damaged: set[int] = frozenset()) -> list[StepInfo]:
     """The steps to remove: old committed ones beyond ``keep_last`` and abandoned partial ones
     (none with ``committed_only``; only those below ``partial_below`` when it is given).
 
     Never the newest committed step, never a step in ``protect``, never a partial step with a
-    recent in-flight marker unless ``force_partial``.
+    recent in-flight marker unless ``force_partial``. ``damaged``: committed steps whose
+    manifest does not read back (:func:`damaged_steps`): not counted, not removed.
     """
     now = time.time() if now is None else now
-    committed = [i for i in infos if i.committed]
+    committed = [i for i in infos if i.committed and i.step not in damaged]
     newest = committed[-1].step if committed else None
     doomed = []
     if keep_last is not None:
@@ -88,8 +115,10 @@ def apply_retention(storage: Storage, keep_last: int | None, *,
     """
     removed = []
     infos = scan(storage)
+    damaged = damaged_steps(storage, infos, keep_last) if keep_last is not None else set()
     for info in plan_removal(infos, keep_last, protect=protect, force_partial=force_partial,
-                             committed_only=committed_only, partial_below=partial_below):
+                             committed_only=committed_only, partial_below=partial_below,
+                             damaged=damaged):
         remove_step(storage, info.path)
         removed.append(info.step)
     if force_partial:  # committed steps keep no markers of a save that died after its commit

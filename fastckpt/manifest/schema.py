@@ -65,8 +65,11 @@ def step_dirname(step: int) -> str:
 
 
 def parse_step_dirname(name: str) -> int | None:
+    """The step of a step directory's name, None if it is not one: only the name
+    :func:`step_dirname` gives (``step-00000000005`` is not step 5: two directories of one step
+    once made `fastckpt gc` remove the committed one with the other)."""
     m = _STEP_RE.fullmatch(name)
-    return int(m.group(1)) if m else None
+    return int(m.group(1)) if m and name == step_dirname(int(m.group(1))) else None
 
 
 def shard_name(rank: int, save_id: str, piece: int = 0) -> str:

@@ -187,6 +187,14 @@ def _describe_one(storage: Storage, step: int, d: str, now: float, grace: float,
             rec.inflight_since = t if rec.inflight_since is None else max(rec.inflight_since, t)
         elif ".tmp-" in n and (mtime is None or now - mtime >= grace):
             rec.leftovers.append(n)  # a temporary file of an interrupted publish
+    if body is not None and indexes == "read":  # (gc's kept steps: as a load needs them)
+        for name, f in sorted(body["files"].items()):
+            size, _ = ents.get(name, (None, None))
+            if name not in ents or (size is not None and size != f["size"]):
+                rec.state = "corrupt"
+                rec.error = (f"shard file {name} is missing" if name not in ents else
+                             f"shard file {name} is {size} bytes, the manifest says {f['size']}")
+                break
     if rec.state == "corrupt":
         return rec
     if body is not None:
