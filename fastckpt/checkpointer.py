@@ -82,6 +82,13 @@ class Checkpointer(Engine):
 
 ONE_SHOT_STAGING_CAP = 256 << 20
 
+def one_shot(path: str | os.PathLike | Storage, **options: Any) -> Checkpointer:
+    """The Checkpointer of a one-off call (``save``, ``load``, ``steps``, ...): no signal trap
+    whatever ``FASTCKPT_GRACE_S`` says (nothing would act on it, and the job's own Checkpointer
+    holds the trap: a one-off call beside it raised), unless the caller asks for one."""
+    return Checkpointer(path, **{"grace_s": None, "preempt": False, **options})
+
+
 #: path -> the Checkpointer that ``save(..., on_preempt=True)`` keeps for the process's lifetime
 _ON_PREEMPT: dict[str, Checkpointer] = {}
 _ON_PREEMPT_LOCK = threading.Lock()
@@ -106,7 +113,7 @@ def save(state: dict, path: str | os.PathLike, *, step: int, on_preempt: bool = 
     # save, so it streams through a few buffers rather than stage the whole state into fresh
     # memory first (first-touch page faults cost as much as the write)
     options.setdefault("staging_cap_bytes", ONE_SHOT_STAGING_CAP)
-    with Checkpointer(path, **options) as ck:
+    with one_shot(path, **options) as ck:
         handle = ck.save(state, step=step, block=True, user_meta=user_meta)
         return handle.wait_remote()
 
@@ -117,24 +124,24 @@ def load(state: dict, path: str | os.PathLike, *, step: int | None = None,
     the step (with ``remote=URL``: the newest of either tier, see ``Checkpointer.last_load``). ``strict=True`` (default): a key the state has and the checkpoint lacks, or the
     reverse, is an error naming it; ``strict=False`` leaves such keys out. Keys are never added
     to ``state``: :func:`read` returns a whole checkpoint."""
-    with Checkpointer(path, **options) as ck:
+    with one_shot(path, **options) as ck:
         return ck.load(state, step=step)
 
 
 def steps(path: str | os.PathLike, **options: Any) -> list[int]:
     """The committed steps under ``path``, oldest first (no collective)."""
-    with Checkpointer(path, collective=False, **options) as ck:
+    with one_shot(path, collective=False, **options) as ck:
         return ck.steps()
 
 
 def latest_step(path: str | os.PathLike, **options: Any) -> int | None:
     """The newest committed step under ``path``, or None (no collective)."""
-    with Checkpointer(path, collective=False, **options) as ck:
+    with one_shot(path, collective=False, **options) as ck:
         return ck.latest_step()
 
 
 def read(path: str | os.PathLike, *, step: int | None = None, **options: Any) -> dict:
     """The whole checkpoint of ``step`` (default: newest committed) under ``path`` as a new
     dict of tensors and plain values, as saved (see :meth:`Engine.read`)."""
-    with Checkpointer(path, **options) as ck:
+    with one_shot(path, **options) as ck:
         return ck.read(step=step)

@@ -57,7 +57,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy as _ModelParallelStrategy
 
 from . import retention
-from .checkpointer import ONE_SHOT_STAGING_CAP, Checkpointer
+from .checkpointer import ONE_SHOT_STAGING_CAP, one_shot
 from .engine import dist as _dist
 from .engine.dtypes import tensor_meta
 from .errors import CheckpointNotFoundError, FastCkptError, UnsupportedStateError
@@ -123,7 +123,7 @@ class CheckpointIO(_CheckpointIOBase):
         with self._in_flight(root):
             _refuse_file(root)
             opts = {"staging_cap_bytes": ONE_SHOT_STAGING_CAP, **self._overrides}
-            with Checkpointer(root, collective=False, storage_options=self.storage_options,
+            with one_shot(root, collective=False, storage_options=self.storage_options,
                               **opts) as ck:
                 ck.save(state, step=step, block=True,
                         user_meta={"lightning": {"global_step": step, "version": str(
@@ -144,7 +144,7 @@ class CheckpointIO(_CheckpointIOBase):
         _refuse_file(root)
         storage = self._open(root)
         step = current_step(storage)
-        with Checkpointer(storage, collective=False, **self._overrides) as ck:
+        with one_shot(storage, collective=False, **self._overrides) as ck:
             out = ck.read(step=step)
         if map_location is not None:
             out = _map_tensors(out, lambda t: t.to(map_location))
@@ -481,7 +481,7 @@ class ModelParallelStrategy(_ModelParallelStrategy):
         except (FastCkptError, OSError, TypeError, ValueError, KeyError) as e:
             error = e
         self._agree_or_raise(error, fio, f"load of {root}")
-        with Checkpointer(storage, collective=True, **fio._overrides) as ck:
+        with one_shot(storage, collective=True, **fio._overrides) as ck:
             ck.load(state, step=step, strict=False)  # the model's keys were checked above
         return rest
 

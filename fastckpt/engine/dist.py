@@ -300,7 +300,8 @@ class Group:
     :class:`~fastckpt.errors.CollectiveTimeoutError` naming the ranks that did not arrive (a
     rank that never calls, a rank that died), instead of blocking for ever. ``name`` keys the
     exchanges of this group apart from other Checkpointers' (``name`` + a per-name count, the
-    same on every rank when every rank creates its Checkpointers in the same order).
+    same on every rank when every rank creates its collective Checkpointers in the same order;
+    a rank-local one, ``collective=False`` such as ``fastckpt.steps``, does not count).
     """
 
     _counts: dict[str, int] = {}
@@ -311,10 +312,13 @@ class Group:
         self.rank = rank() if self.collective else 0
         self.world_size = world_size() if self.collective else 1
         key = f"{zlib.crc32(name.encode()):08x}"
-        with Group._counts_lock:
-            n = Group._counts.get(key, 0)
-            Group._counts[key] = n + 1
-        self._prefix = f"gather/{key}.{n}"
+        if not self.collective:  # (no exchange: a rank-0-only call must not shift the count)
+            self._prefix = f"gather/{key}.local"
+        else:
+            with Group._counts_lock:
+                n = Group._counts.get(key, 0)
+                Group._counts[key] = n + 1
+            self._prefix = f"gather/{key}.{n}"
         self._seq = 0
         self._exchange: Exchange | None = None
 

@@ -74,6 +74,11 @@ class SignalTrap:
         self.trapped: list[str] = []  # names of the signals handled (empty off the main thread)
         self._handler_sigs: list[tuple[int, float]] = []  # appended by the handlers only
         self._seen = 0
+        # deliveries per signal, as the wakeup fd and as the handler counted them, and as
+        # returned (see ``poll``)
+        self._by_fd: dict[int, int] = {}
+        self._by_handler: dict[int, int] = {}
+        self._returned: dict[int, int] = {}
         self._old_wakeup = -1
         self._rfd = self._wfd = -1
         self._pid = os.getpid()
@@ -156,8 +161,7 @@ class SignalTrap:
 
     @property
     def has_fd(self) -> bool:
-        """Deliveries wake ``poll`` through the wakeup fd (it may then wait without a timeout:
-        ``wake`` ends the wait)."""
+        """Deliveries wake ``poll`` through the wakeup fd (``wake`` ends a wait early)."""
         return self._rfd >= 0
 
     def wake(self) -> None:
@@ -171,8 +175,12 @@ class SignalTrap:
     def poll(self, timeout: float | None, stop: threading.Event) -> tuple[bool, list[tuple]]:
         """(watcher) Wait up to ``timeout`` (None: until a delivery or ``wake``; only with the
         wakeup fd) for a delivery; (woke, [(signum, wall time, source)])
-        of the signals not returned before. The wakeup fd counts deliveries; the handlers' list
-        is read for ``request`` and where there is no wakeup fd (off the main thread)."""
+        of the signals not returned before. Both the wakeup fd (it counts a delivery while the
+        main thread is busy in C code) and the handler (it runs once the main thread gets back
+        to Python) count each delivery; a signal is returned as often as the larger count
+        grew. The handler's count alone still tells when the wakeup fd is no longer ours: a
+        library that sets its own (asyncio's ``add_signal_handler``) resets it to -1 when its
+        loop closes, and a SIGTERM after that was recorded and never acted on."""
         woke = False
         out: list[tuple] = []
         fd = self._rfd
@@ -197,8 +205,9 @@ class SignalTrap:
                     data = os.read(fd, 512)
                 except OSError:
                     data = b""
-                now = time.time()
-                out += [(b, now, "wakeup_fd") for b in data if b in self.signals]
+                for b in data:
+                    if b in self.signals:
+                        self._by_fd[b] = self._by_fd.get(b, 0) + 1
                 if self._old_wakeup >= 0 and data:
                     try:
                         os.write(self._old_wakeup, data)  # chain the previous wakeup fd
@@ -206,9 +215,20 @@ class SignalTrap:
                         pass
         else:
             stop.wait(timeout if timeout is not None else 0.1)
+        last: dict[int, float] = {}
         while self._seen < len(self._handler_sigs):
             signum, t = self._handler_sigs[self._seen]
             self._seen += 1
-            if signum < 0 or self._rfd < 0:
-                out.append((signum, t, "handler" if signum > 0 else "request"))
+            if signum < 0:
+                out.append((signum, t, "request"))
+            else:
+                self._by_handler[signum] = self._by_handler.get(signum, 0) + 1
+                last[signum] = t
+        now = time.time()
+        for signum in sorted(self.signals):
+            fd, handler = self._by_fd.get(signum, 0), self._by_handler.get(signum, 0)
+            for _ in range(max(fd, handler) - self._returned.get(signum, 0)):
+                out.append((signum, last.get(signum, now),
+                            "wakeup_fd" if fd >= handler else "handler"))
+            self._returned[signum] = max(fd, handler, self._returned.get(signum, 0))
         return woke, out

@@ -70,7 +70,7 @@ EXIT_CANCELLED = 0
 #: "highest code across tasks" shows the failure.
 EXIT_FAILED = 144
 
-POLL_S = 0.1  # how often the signal thread looks at the trap where it has no wakeup fd
+POLL_S = 0.1  # how often the signal thread looks at the trap's records
 #   (off the main thread; with one it waits for the fd alone: an idle rank does nothing)
 WATCH_REARM_S = 86400.0  # the store watcher's wait is renewed daily (c10d logs each timeout)
 HARD_EXTRA_S = 3.0  # the watchdog ends a process still alive this long after the deadline
@@ -192,7 +192,9 @@ class Preemption:
     def _watch(self) -> None:
         """(signal thread) local signals: the deadline, and the publication of a stop."""
         while not self._closed.is_set():
-            _, signals = self.trap.poll(None if self.trap.has_fd else POLL_S, self._closed)
+            # (a timeout even with the wakeup fd: another library may have taken it, and the
+            # handler's record is then the only one, signals.SignalTrap.poll)
+            _, signals = self.trap.poll(POLL_S, self._closed)
             if self._closed.is_set():
                 return
             for signum, t, source in signals:
