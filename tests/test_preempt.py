@@ -367,6 +367,9 @@ def test_disk_slower_than_measured_fails_cleanly(tmp_path):
     procs = launch(2, cfg)
     for r in range(2):
         _wait_file(os.path.join(cfg["out"], f"saved-run-r{r}"), procs)
+    # past step 2: a stop at step 2 itself has nothing to write (its periodic save committed,
+    # the "committed" decision), and no slow write to fail
+    _wait_step(cfg["out"], "run", 0, 4, procs)
     t_sig = time.time()
     os.kill(procs[0].pid, signal.SIGTERM)
     assert _wait(procs, 60) == [preempt.EXIT_FAILED] * 2

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -93,3 +94,55 @@ def test_a_rank_local_call_on_one_rank_does_not_put_the_jobs_exchanges_apart(tmp
     out = distributed.run(_rank0_looks_first, 2, str(tmp_path / "r"), str(tmp_path / "p"),
                           timeout=120)
     assert out == [(1, True), (1, True)]
+
+
+_PERIODIC_THEN_ON_PREEMPT = textwrap.dedent("""
+    import os, signal, sys, time, torch, fastckpt
+    ck = fastckpt.Checkpointer(sys.argv[1], grace_s=10)
+    state = {"w": torch.zeros(1 << 16)}
+    for step in range(1, 200):
+        state["w"].fill_(step)
+        ck.save(state, step=step, block=True)  # the periodic save (every step), committed
+        if step == 6:
+            os.kill(os.getpid(), signal.SIGTERM)
+        ck.save(state, step=step, on_preempt=True)  # the stop lands on a committed step
+    print("the loop ended", flush=True)
+""")
+
+
+def test_a_stop_at_a_step_its_periodic_save_committed_writes_nothing_again(tmp_path):
+    root = str(tmp_path / "r")
+    r = subprocess.run([sys.executable, "-c", _PERIODIC_THEN_ON_PREEMPT, root],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": REPO})
+    assert r.returncode == 143, (r.returncode, r.stderr[-2000:])
+    events = [json.loads(line) for line in open(os.path.join(root, "events", "rank00000.jsonl"))]
+    (d,) = [e for e in events if e["event"] == "decision"]
+    assert d["decision"] == "committed" and d["step"] >= 6, d
+    assert not [e for e in events if e["event"] == "save_start"]
+    t = d["step"]
+    dt = os.path.join(root, f"step-{t:010d}")
+    assert len([n for n in os.listdir(dt) if n.endswith(".fck")]) == 1  # one save's shard
+    got = {"w": torch.zeros(1 << 16)}
+    assert fastckpt.load(got, root) == t and torch.equal(got["w"], torch.full((1 << 16,), t))
+
+
+def test_close_leaves_a_handler_installed_after_the_trap():
+    """``close`` gave SIGTERM/SIGUSR1 back to their earlier handlers even when the job had
+    installed its own after the trap (Lightning's, submitit's requeue handler): it replaced
+    them with SIG_DFL / SIG_IGN. It undoes only its own handler now."""
+    import signal
+
+    from fastckpt.preempt.signals import SignalTrap
+    before = signal.getsignal(signal.SIGUSR2)
+    trap = SignalTrap({signal.SIGUSR2})
+    trap.install()
+    try:
+        def mine(signum, frame):
+            pass
+        signal.signal(signal.SIGUSR2, mine)
+        trap.close()
+        assert signal.getsignal(signal.SIGUSR2) is mine
+    finally:
+        trap.close()
+        signal.signal(signal.SIGUSR2, before)

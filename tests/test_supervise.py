@@ -127,6 +127,11 @@ def test_exit_code_recipe_after_a_normal_finish_and_without_events(tmp_path):
     (ev / "rank00001.jsonl").write_text(json.dumps({"event": "armed", "t": t}) + "\n")
     assert code(str(ev), "1")[0] == 143  # the ranks' stop wins over torchrun's 1
     assert preempt.job_exit_code(str(ev), since=t + 5) is None  # an earlier run's stop
+    # with the launch time: this run crashed before any rank armed its trap, so the earlier
+    # run's 143 is not its code (it reported 143, "restart me", for a crash)
+    assert code(str(ev), "1", str(t + 5))[0] == 1
+    assert code(str(ev), "1", str(t - 5))[0] == 143
+    assert code(str(ev), "1", "soon")[0] == 2
 
 
 # ------------------------------------------------- srun tasks: torch.distributed's variables

@@ -230,6 +230,11 @@ class Engine:
             return None, 0
         return job.handle, max((p.size for p in job.plan.pieces), default=0)
 
+    def last_committed(self) -> SaveHandle | None:
+        """This engine's last save if it is committed, else None."""
+        last = self._last
+        return last if last is not None and last.done() and last.committed else None
+
     def supersede(self) -> SaveHandle | None:
         """Ask the in-flight save to stop before its next shard file and fail without
         committing (every rank of the job must do the same); its handle, or None."""

@@ -76,6 +76,8 @@ def decide(reports: list[dict], step: int, margin: float) -> tuple[str, dict]:
             "inflight_step": max(infl) if infl else None,
             "inflight_left_s": round(infl_left, 3) if infl else 0.0,
             "inflight_piece_s": round(piece_left, 3) if infl else 0.0}
+    if not infl and all(r.get("committed_step") == step for r in reports):
+        return "committed", nums  # a save of this very step committed already: nothing to do
     if not infl:
         return ("save" if est <= left else "skip"), nums
     if max(infl) >= step:

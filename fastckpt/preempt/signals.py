@@ -121,6 +121,8 @@ class SignalTrap:
                 if self._rfd >= 0:
                     signal.set_wakeup_fd(self._old_wakeup)
                 for s, old in self.old_handlers.items():
+                    if signal.getsignal(s) != self._handler:
+                        continue  # a handler installed after ours (Lightning's, submitit's)
                     default = old is None or old == signal.SIG_DFL
                     signal.signal(s, signal.SIG_IGN if ignore or (default and s in _WARNINGS)
                                   else signal.SIG_DFL if default else old)

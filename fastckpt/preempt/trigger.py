@@ -192,9 +192,7 @@ class Preemption:
     def _watch(self) -> None:
         """(signal thread) local signals: the deadline, and the publication of a stop."""
         while not self._closed.is_set():
-            # (a timeout even with the wakeup fd: another library may have taken it, and the
-            # handler's record is then the only one, signals.SignalTrap.poll)
-            _, signals = self.trap.poll(POLL_S, self._closed)
+            _, signals = self.trap.poll(POLL_S, self._closed)  # (a timeout: SignalTrap.poll)
             if self._closed.is_set():
                 return
             for signum, t, source in signals:
@@ -361,8 +359,10 @@ class Preemption:
         left = self._dl() - time.monotonic()
         if not self.agreed.wait(max(0.0, left)):
             self._fail(_PeerLost([], "no stop consensus before the deadline"), step)
+            return None  # (preempt_exit=False: failed once, not saved after)
         if self.failure is not None:
             self._fail(self.failure, step)
+            return None
         if self.stop_step is not None and step < self.stop_step:
             return None
         return self._emergency(state, step)
@@ -414,6 +414,8 @@ class Preemption:
         try:
             tiered.freeze(self.ckpt)  # the remote tier: only this path uploads from now on
             mine = self._estimate(state)
+            done = self.ckpt.last_committed()
+            mine["committed_step"] = done.step if done is not None else None
             mine.update(tiered.report(self.ckpt, mine["bytes"], self.opts.assumed_upload_mibps))
             self.event("estimate", **mine)
             decision, nums = self._collect(
@@ -466,7 +468,7 @@ class Preemption:
                            seconds=round(secs, 4), timings={
                                k: round(v, 4) for k, v in handle.timings.items()})
                 self.event("commit", step=step, path=handle.path)
-            target = handle if handle is not None else (last if decision == "wait" else None)
+            target = handle if handle is not None else {"wait": last, "committed": done}.get(decision)
             tiered.after_save(self.ckpt, nums, target, self._dl(-margin / 4), self.event,
                               self.rank)
         except _PeerLost as e:
