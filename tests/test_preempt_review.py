@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import torch
 
@@ -146,3 +147,26 @@ def test_close_leaves_a_handler_installed_after_the_trap():
     finally:
         trap.close()
         signal.signal(signal.SIGUSR2, before)
+
+
+def test_a_cancel_after_the_stop_consensus_gives_every_rank_one_exit_code(tmp_path):
+    """SIGTERM (preempt) to rank 0, then SIGINT (cancel) to rank 1 while it is still in its
+    long step, after the consensus: the ranks exited 143 and 0, and a supervisor taking the
+    highest code requeued a cancelled job. The exit barrier now agrees on the cancel."""
+    import signal
+
+    from tests.preempt_worker import launch
+    from tests.test_preempt import _events, _wait, _wait_step
+    cfg = {"root": str(tmp_path / "ckpt"), "out": str(tmp_path / "out"), "tag": "c",
+           "total": 40, "step_s": 0.03, "grace_s": 20.0, "cancel_signals": ["SIGINT"],
+           "long_step": {"1": [4, 3.0]}}
+    procs = launch(2, cfg)
+    _wait_step(cfg["out"], "c", 1, 4, procs)  # rank 1 is in its 3 s step
+    os.kill(procs[0].pid, signal.SIGTERM)
+    time.sleep(1.0)
+    os.kill(procs[1].pid, signal.SIGINT)
+    codes = _wait(procs, 60)
+    assert codes[0] == codes[1] == 0, codes  # cancelled, on both ranks
+    for r in range(2):
+        (ex,) = [e for e in _events(cfg["root"], r) if e["event"] == "exit"]
+        assert ex["reason"] == "cancelled", ex

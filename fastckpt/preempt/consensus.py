@@ -4,7 +4,7 @@
 rank appends one line and counts; the rank that completes the count reduces the lines once and
 publishes the result; every rank waits for it with one server-side wait (no polling). It
 serves the stop consensus (``stop_step``), the budget exchange (``budget.decide``) and the
-exit barrier (``failed_ranks``). docs/scale.md measures it against 4096 simulated ranks.
+exit barrier (``exit_barrier``). docs/scale.md measures it against 4096 simulated ranks.
 """
 
 from __future__ import annotations
@@ -76,3 +76,11 @@ def stop_step(reports: list[dict]) -> dict:
 
 def failed_ranks(reports: list[dict]) -> list[int]:
     return [r["rank"] for r in reports if not r["ok"]]
+
+
+def exit_barrier(reports: list[dict]) -> dict:
+    """(the exit barrier) the ranks whose save failed, and whether any rank was told to
+    cancel: a cancel signal that came to one rank after the stop consensus must give every
+    rank the same exit code (they gave 143 and 0: a supervisor that takes the highest code
+    requeued a cancelled job)."""
+    return {"bad": failed_ranks(reports), "cancel": any(r.get("cancel") for r in reports)}

@@ -53,7 +53,7 @@ from ..engine.dist import StoreUnreachable
 from ..options import platform_grace
 from . import budget, tiered
 from .budget import teardown_reserve
-from .consensus import PeerLost as _PeerLost, collect, failed_ranks, stop_step
+from .consensus import PeerLost as _PeerLost, collect, exit_barrier, stop_step
 from .events import EventLog
 from .signals import REQUEST_CANCEL, SignalTrap, signame
 
@@ -435,8 +435,7 @@ class Preemption:
                 if old is not None:
                     old.exception(max(0.0, self._dl(-margin) - time.monotonic()))
                     if not old.done():
-                        raise TimeoutError(f"superseded save of step {old.step} did not stop "
-                                           "before the deadline")
+                        raise TimeoutError(f"superseded save of step {old.step} did not stop")
                     old.take_failure()  # its failure ("superseded") is this path's doing
                     self.event("superseded", step=old.step, committed=old.committed,
                                seconds=round(time.monotonic() - t0, 3))
@@ -488,8 +487,9 @@ class Preemption:
         try:
             # a failure waits briefly (the peers that are alive are there within a second)
             end = self._dl() if ok else min(self._dl(), time.monotonic() + 1.0)
-            bad = self._collect("done", {"ok": ok}, end, "barrier", failed_ranks,
-                                min_wait=0.0 if ok else 1.0)
+            done = self._collect("done", {"ok": ok, "cancel": self.cancel}, end, "barrier",
+                                 exit_barrier, min_wait=0.0 if ok else 1.0)
+            bad, self.cancel = done["bad"], done["cancel"]
             if bad and ok:
                 ok = False
                 error = RuntimeError(f"the emergency save failed on rank(s) {bad}")
