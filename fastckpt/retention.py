@@ -13,9 +13,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from .errors import CorruptCheckpointError
 from .manifest import schema as fmt
-from .manifest.discovery import list_steps, marker_time, read_manifest
+from .manifest.discovery import list_steps, manifest_state, marker_time
 from .storage import Storage
 
 #: a partial step whose in-flight marker is younger than this may still be written by someone
@@ -56,13 +55,10 @@ def damaged_steps(storage: Storage, infos: list[StepInfo], keep_last: int) -> se
     for info in reversed([i for i in infos if i.committed]):
         if valid >= keep_last:
             break
-        try:
-            if read_manifest(storage, info.path, step=info.step, chunks="listed") is None:
-                continue  # (removed meanwhile)
-            valid += 1
-        except CorruptCheckpointError:
+        state = manifest_state(storage, info.path, step=info.step)
+        if state == "damaged":
             out.add(info.step)
-        except Exception:  # noqa: BLE001 - unknown: counted, as before
+        elif state != "absent":  # (valid, or unknown: counted, as before)
             valid += 1
     return out
 

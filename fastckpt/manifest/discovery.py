@@ -39,6 +39,19 @@ def list_steps(storage: Storage) -> list[tuple[int, str]]:
     return sorted(out)
 
 
+def manifest_state(storage: Storage, step_dir: str, *, step: int) -> str:
+    """A committed step's manifest as ``resume`` checks it (the manifest, and its chunk indexes
+    in one listing): "valid", "damaged" (it fails validation), "absent" (removed meanwhile) or
+    "unknown" (the storage could not be read)."""
+    try:
+        body = read_manifest(storage, step_dir, step=step, chunks="listed")
+    except CorruptCheckpointError:
+        return "damaged"
+    except Exception:  # noqa: BLE001 - a storage error: unknown
+        return "unknown"
+    return "absent" if body is None else "valid"
+
+
 def read_manifest(storage: Storage, step_dir: str, *, step: int | None = None,
                   chunks: bool | str = True, own: "Own" = None) -> dict | None:
     """The validated manifest body of a step directory; None if it has no manifest (or it was
