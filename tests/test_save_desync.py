@@ -153,11 +153,6 @@ class _NoMarker(FaultyStorage):
 
     full = False
 
-    def bounded(self, deadline):
-        b = _NoMarker(self.inner.bounded(deadline))
-        b._shared = self._shared
-        return b
-
     def publish(self, path, data, *, durable=True):
         if _NoMarker.full and ".inflight-" in path:
             raise OSError(errno.ENOSPC, "No space left on device (simulated)")
@@ -221,11 +216,6 @@ class _NoManifest(FaultyStorage):
 
     full = False
 
-    def bounded(self, deadline):
-        b = _NoManifest(self.inner.bounded(deadline))
-        b._shared = self._shared
-        return b
-
     def publish_manifest(self, path, data):
         if _NoManifest.full:
             raise OSError(errno.ENOSPC, "No space left on device (simulated)")
@@ -260,11 +250,6 @@ class _UnclearManifest(FaultyStorage):
     armed = False
     land = True
     fail_reads = 0
-
-    def bounded(self, deadline):
-        b = _UnclearManifest(self.inner.bounded(deadline))
-        b._shared = self._shared
-        return b
 
     def publish_manifest(self, path, data):
         if not _UnclearManifest.armed:

@@ -132,7 +132,7 @@ def commit(exchange: Any, *, save_id: str, rank: int, world_size: int, result: d
                 missing_ranks=e.ranks, rank=rank, outcome_unknown=rank != 0) from e
     if not outcome["ok"] and outcome.get("unknown"):
         raise CommitTimeoutError(
-            f"save {save_id}: {outcome['failures'].get('0') or outcome['failures'].get(0)}",
+            f"save {save_id}: {next(iter(outcome['failures'].values()))}",
             outcome_unknown=True, rank=rank) from cause
     if not outcome["ok"]:
         missing_ranks = outcome.get("missing") or []

@@ -44,12 +44,12 @@ from ..manifest.discovery import marker_doc, marker_name, read_manifest
 from ..options import CheckpointOptions
 from ..retention import apply_retention
 from ..storage import Storage
+from ..storage.threads import Threads
 from . import dist as _dist
 from .commit import commit, publish_checked
 from .handle import SaveHandle
 from .plan import SavePlan
 from .staging import Gathered, StagingPool
-from ..storage.threads import Threads
 
 log = logging.getLogger("fastckpt")
 

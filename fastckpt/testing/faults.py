@@ -97,7 +97,8 @@ class FaultyStorage(Storage):
         return self.inner.join(*parts)
 
     def bounded(self, deadline: float | None) -> "FaultyStorage":
-        bound = FaultyStorage(self.inner.bounded(deadline), rank=self.rank)
+        # (a subclass's bounded views are of the subclass: its own faults hold in them too)
+        bound = type(self)(self.inner.bounded(deadline), rank=self.rank)
         bound.kill_at, bound.throttle_mibps = self.kill_at, self.throttle_mibps
         bound._shared = self._shared
         return bound
