@@ -57,6 +57,39 @@ def test_values_that_differ_per_rank_stay_per_rank(root):
                        "shared": torch.zeros(6), "pos": 0}, root)
 
 
+def _sparse_per_rank(rank: int, world: int, root: str, fingerprint: str):
+    # per-rank tensors above the whole-hash size that differ in one element only
+    line = torch.zeros(400_000)  # 1-D: before 2026-12-06 three elements were its fingerprint
+    line[1 + 7 * rank] = 1.0
+    wide = torch.zeros(600, 1000).t()  # not contiguous: sampled row by row
+    wide[0, 300] = float(rank + 1)
+    block = torch.zeros(1024, 1024)  # row 1: between the samples (only "full" sees it)
+    block[1, 952] = float(rank + 1)
+    state = {"line": line, "wide": wide, "block": block, "same": torch.ones(300_000)}
+    fastckpt.save(state, root, step=1, fingerprint=fingerprint)
+    dest = {k: torch.full_like(v, -1.0) for k, v in state.items()}
+    fastckpt.load(dest, root)
+    return {k: torch.equal(dest[k], v) for k, v in state.items()}
+
+
+@pytest.mark.parametrize("fingerprint", ["sampled", "full"])
+def test_sparse_per_rank_differences_stay_per_rank(root, fingerprint):
+    out = distributed.run(_sparse_per_rank, 2, root, fingerprint)
+    t = _manifest(root, 1)["body"]["tensors"]
+    assert t["line"].get("per_rank") and t["wide"].get("per_rank")
+    assert "per_rank" not in t["same"]  # replicated: written once
+    assert all(o["line"] and o["wide"] and o["same"] for o in out)
+    if fingerprint == "full":
+        assert t["block"].get("per_rank") and all(o["block"] for o in out)
+    else:  # the documented limit of the sampled fingerprint (design.md, Limits)
+        assert "per_rank" not in t["block"]
+
+
+def test_fingerprint_option_is_checked():
+    with pytest.raises(ValueError, match="fingerprint must be"):
+        fastckpt.CheckpointOptions(fingerprint="sometimes")
+
+
 # -------------------------------------------------------------------------- 4. tied tensors
 
 class Tied(torch.nn.Module):

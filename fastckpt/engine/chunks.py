@@ -50,38 +50,59 @@ class ChunkSpec:
 
 
 #: regular (non-DTensor) tensors up to this size are hashed whole to find those that differ
-#: between ranks; larger ones by three 8 KiB samples (start, middle, end rows)
+#: between ranks; larger ones by WINDOWS windows of WINDOW bytes spread evenly over their
+#: elements, plus the last WINDOW bytes (``fingerprint="full"``: every one whole)
 DIGEST_FULL_MAX = 1 << 20
-_SAMPLE = 8 << 10
+WINDOWS = 32
+WINDOW = 1 << 10
 
 
-def digest(t: torch.Tensor) -> str:
+def _windows(t: torch.Tensor, k: int) -> list:
+    """Views of ``t`` (or a copy of at most 1 MiB of it): ``k`` runs of WINDOW bytes at evenly
+    spaced places of its elements in order, and its last run. One strided view for a tensor
+    that flattens without a copy (contiguous or 1-D); else 8 evenly spaced rows (gathered
+    into one tensor when they are small, else each sampled on its own)."""
+    if t.dim() == 0:
+        return [t.reshape(1)]
+    if t.dim() == 1 or t.is_contiguous():
+        flat = t.reshape(-1)  # (a view for both)
+        n, w = flat.numel(), max(1, WINDOW // max(1, t.element_size()))
+        if n <= (k + 1) * w:
+            return [flat]
+        step, s0 = (n - w) // (k - 1), flat.stride(0)
+        runs = flat.as_strided((k, w), (step * s0, s0), flat.storage_offset())
+        return [runs, flat[n - w:]]
+    rows, m = t.shape[0], min(8, k)
+    picks = sorted({round(i * (rows - 1) / (m - 1)) for i in range(m)}) if rows > 1 else [0]
+    if t.numel() // max(1, rows) * len(picks) * t.element_size() <= DIGEST_FULL_MAX:
+        # the picked rows gathered into one small tensor (one copy), sampled as a whole
+        return _windows(t.index_select(0, torch.tensor(picks, device=t.device)), k)
+    return [v for r in picks for v in _windows(t[r], max(2, k // len(picks)))]
+
+
+def digest(t: torch.Tensor, full: bool = False) -> str:
     """A content fingerprint of a regular tensor, compared across the ranks that hold it: equal
     everywhere means replicated (written once), else the tensor is per rank (each writes its
-    own). Whole for tensors up to DIGEST_FULL_MAX bytes (RNG states, counters, small buffers);
-    sampled above that (a per-rank tensor that differs only outside the samples is taken as
-    replicated: use a DTensor or a per-rank key for large per-rank data)."""
+    own). Whole for tensors up to DIGEST_FULL_MAX bytes (RNG states, counters, small buffers)
+    and with ``full``; above that sampled (:func:`_windows`: 33 KiB of it), so a per-rank tensor
+    that differs only between the samples is taken as replicated: use a DTensor or a per-rank
+    key for large per-rank data, or ``CheckpointOptions(fingerprint="full")``."""
     import xxhash
     t = t.detach()
     h = xxhash.xxh3_64()
     h.update(repr((tuple(t.shape), str(t.dtype))).encode())
-    if t.numel() * t.element_size() <= DIGEST_FULL_MAX:
-        parts = [t]
-    else:
-        rows = sorted({0, t.shape[0] // 2, t.shape[0] - 1}) if t.dim() else []
-        parts = [t[i] for i in rows] or [t]
+    if not t.numel():
+        return h.hexdigest()
+    parts = [t] if full or t.numel() * t.element_size() <= DIGEST_FULL_MAX else \
+        _windows(t, WINDOWS)
     for part in parts:
-        flat = part.reshape(-1)
-        if part is not t:
-            flat = flat[:max(1, _SAMPLE // max(1, t.element_size()))]
-        b = flat.to("cpu").contiguous().view(torch.uint8) if flat.numel() else None
-        if b is not None:
-            h.update(_raw_view(b.data_ptr(), b.numel()))  # (no numpy needed)
+        b = part.to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        h.update(_raw_view(b.data_ptr(), b.numel()))  # (no numpy needed)
     return h.hexdigest()
 
 
-def local_chunks(tensors: dict[str, torch.Tensor], *, digests: bool = False, world: int = 1
-                 ) -> tuple[list[ChunkSpec], dict]:
+def local_chunks(tensors: dict[str, torch.Tensor], *, digests: bool = False, world: int = 1,
+                 full: bool = False) -> tuple[list[ChunkSpec], dict]:
     """This rank's chunks and, per (fqn, offsets), the local tensor holding the data; with
     ``digests`` (more than one rank) each regular tensor's spec carries :func:`digest`; with
     ``world`` (the ranks saving) a DTensor box only this rank holds is marked ``solo``.
@@ -112,7 +133,7 @@ def local_chunks(tensors: dict[str, torch.Tensor], *, digests: bool = False, wor
                 # would store as they lie. Materialise it (a new tensor: the user's stays)
                 local = local.resolve_conj().resolve_neg()
             nbytes = local.numel() * local.element_size()
-            dig = digest(local) if digests and not dt else None
+            dig = digest(local, full) if digests and not dt else None
             if world > 1 and dt and t.numel():
                 solo, replicas, place = holders_in(meshes, key, t, world)
                 elected = bool(nbytes) and (replicas == 1

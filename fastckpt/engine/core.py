@@ -340,7 +340,8 @@ class Engine:
         try:
             flat = flatten(state)
             local, data = local_chunks(flat.tensors, digests=self.world_size > 1,
-                                       world=self.world_size)
+                                       world=self.world_size,
+                                       full=self.options.fingerprint == "full")
             specs = [tuple(s.__dict__.values()) for s in local]
             tree = flat.skeleton
             aliases = len(flat.aliases)
