@@ -218,6 +218,28 @@ def test_commit_over_a_real_store_cleans_up_and_names_the_missing(store):
         assert isinstance(o, CommitTimeoutError) and o.missing_ranks == [5], (r, o)
 
 
+def test_a_cancelled_commit_stops_waiting_and_rank_0_decides_nothing(store):
+    # an upload that a preemption superseded on ranks whose peer never submitted it (its tier
+    # froze first): before 2026-12-06 they waited for the peer until the commit deadline,
+    # and the emergency upload queued behind missed the grace window
+    world = 3
+    exs = [_dist.Exchange(store=_client(store)) for _ in range(world)]
+    cancel = threading.Event()
+    decided = []
+
+    def one(r):
+        return commit(exs[r], save_id="cx", rank=r, world_size=world, result={"ok": True},
+                      deadline=time.monotonic() + 60, cancel=cancel,
+                      coordinator=lambda res: decided.append(1) or {})
+    threading.Timer(0.5, cancel.set).start()
+    out, took = _threads(world, one, skip=(2,))  # rank 2 never reports
+    assert took < 5, took
+    assert not decided  # nothing committed
+    assert isinstance(out[0], CommitTimeoutError) and not out[0].outcome_unknown
+    assert isinstance(out[1], CommitTimeoutError) and out[1].outcome_unknown  # keeps its files
+    assert "cancelled" in str(out[1]) and "rank 1" in str(out[1])
+
+
 def test_collect_names_the_missing_and_reduces_once(store):
     world = 16
     exs = [_dist.Exchange(store=_client(store)) for _ in range(world)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -171,6 +172,100 @@ def test_resume_takes_the_newest_of_either_tier_and_says_which(tmp_path, s3, cap
     with fastckpt.Checkpointer(str(tmp_path / "none"), remote=s3.url("none"),
                                storage_options=_opts(s3)) as ck:
         assert ck.resume(_dest()) is None
+
+
+def test_a_remote_tier_that_cannot_be_listed_fails_the_resume_by_name(tmp_path, s3, proxy,
+                                                                      capsys, monkeypatch):
+    # before 2026-12-06 a failed listing counted as "no step there": a fresh node resumed
+    # nothing (None: training from scratch, whose saves then replaced the remote steps), a
+    # node with an older local step loaded that one
+    url = s3.url("lst")
+    opts = _opts(s3, proxy.endpoint)
+    with fastckpt.Checkpointer(str(tmp_path / "a"), remote=url, storage_options=opts) as ck:
+        for step in (1, 2):
+            ck.save(_state(step), step=step, block=True).wait_remote(timeout=60)
+    older = str(tmp_path / "older")
+    fastckpt.save(_state(1), older, step=1)
+    proxy.inject(503, code="SlowDown", count=None, method="GET", query_contains="list-type")
+    for local in (str(tmp_path / "fresh"), older):
+        with fastckpt.Checkpointer(local, remote=url, storage_options=opts,
+                                   remote_max_attempts=2) as ck:
+            dest = _dest()
+            with pytest.raises(fastckpt.StorageError,
+                               match=r"rank 0: resume across tiers: could not list the remote "
+                                     r"tier.*SlowDown.*nothing was loaded"):
+                ck.resume(dest)
+            assert dest["step"] == -1 and not dest["w"].any()  # untouched
+            # a step asked for by number that a tier holds loads all the same
+            if local == older:
+                assert ck.load(dest, step=1) == 1 and dest["step"] == 1
+    # the CLI says so too (exit 4), instead of "no checkpoint, start fresh" (exit 3)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
+    fastckpt.save(_state(1), str(tmp_path / "c"), step=1)
+    with open(tmp_path / "c" / ".tiers.json", "w") as f:
+        json.dump({"remote": url}, f)
+    from fastckpt import cli
+    import s3fs
+    s3fs.S3FileSystem.clear_instance_cache()  # (the CLI's file system: through the proxy)
+    try:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            cli.main(["resume", str(tmp_path / "c")])
+        assert e.value.code == 4 and "could not be read" in capsys.readouterr().err
+        proxy.clear_faults()
+        code, out = _cli(capsys, "resume", str(tmp_path / "c"), "--json")
+        assert code == 0 and json.loads(out)["step"] == 2 and json.loads(out)["tier"] == "remote"
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_a_step_deferred_while_the_chain_ends_is_uploaded(tmp_path, s3, monkeypatch):
+    # the upload of step 1 ends while step 2 (planned as deferred: the uploader was busy) is
+    # still being written: the chain waits for it. Before 2026-12-06 the chain ended without
+    # it: remote_state stayed "deferred" (wait_remote() without a timeout: for good) and
+    # close() skipped it, so the newest step never went up
+    from fastckpt.storage.local import LocalStorage
+    from fastckpt.testing.faults import FaultyStorage
+    real = tiering.Tier._upload_file
+
+    def slow_link(self, st, up, f, dest):
+        time.sleep(0.6)
+        return real(self, st, up, f, dest)
+    monkeypatch.setattr(tiering.Tier, "_upload_file", slow_link)
+    local = FaultyStorage(LocalStorage(str(tmp_path / "d")))
+    with fastckpt.Checkpointer(local, remote=s3.url("dfr"), storage_options=_opts(s3)) as ck:
+        h1 = ck.save(_state(1), step=1, block=True)
+        local.arm(throttle_mibps=1.5)  # step 2's 2 MiB take ~1.4 s: past step 1's upload
+        h2 = ck.save(_state(2), step=2)
+        assert h2.remote_state == "deferred"
+        h1.wait_remote(timeout=60)
+        h2.wait_remote(timeout=60)
+        assert h2.remote_state == "committed"
+    assert _remote_steps(s3, "dfr") == [1, 2]
+
+
+def test_a_save_committed_after_the_tier_froze_is_marked_skipped(tmp_path, s3):
+    # a preemption froze the tier (only the emergency path uploads): a save that commits
+    # after that is not uploaded, and says so (before 2026-12-06 its remote_state stayed
+    # "pending": wait_remote() without a timeout waited for good)
+    with fastckpt.Checkpointer(str(tmp_path / "f"), remote=s3.url("frz"),
+                               storage_options=_opts(s3)) as ck:
+        ck.tier.freeze()
+        h = ck.save(_state(1), step=1, block=True)
+        assert h.committed and h.remote_state == "skipped"
+        assert h.wait_remote(timeout=1) is h
+    assert _remote_steps(s3, "frz") == []
+
+
+def test_retried_requests_leave_the_users_random_stream_alone(tmp_path, s3, proxy):
+    import random
+    random.seed(1234)
+    before = random.getstate()
+    proxy.inject(503, code="SlowDown", count=3, method="PUT")
+    fastckpt.save(_state(1), s3.url("rnd"), step=1, storage_options=_opts(s3, proxy.endpoint))
+    assert proxy.stats()["injected"] == 3  # three requests were answered 503 and retried
+    assert random.getstate() == before  # (the jitter had drawn from random's own generator)
 
 
 # --------------------------------------------------------------------------------- failures

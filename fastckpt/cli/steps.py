@@ -14,7 +14,8 @@ import click
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..options import torch_env_from_slurm
 from .base import (ENV_PATH, ENV_ROOT, ENV_STEP, EXIT_CODES_HELP, EXIT_NO_CHECKPOINT,
-                   EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE,
+                   EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, EXIT_OK, EXIT_PROBLEM, EXIT_STORAGE,
+                   EXIT_USAGE,
                    CliError,
                    _add_row, _echo, _emit_json, _hb, _not_found, _print_table, _progress, _rate,
                    _set_json, _storage, _table, _when, cli)
@@ -178,10 +179,12 @@ def _newest_of_tiers(storage: Any, skipped: list) -> tuple[tuple, Any, str]:
             other = newest_committed(remote[1])
         except (CheckpointNotFoundError, CorruptCheckpointError):
             other = None
-        except Exception as e:  # noqa: BLE001 - an unreachable remote: the local tier alone
-            _echo(f"fastckpt: warning: the remote tier {remote[0]} could not be read: {e}",
-                  err=True)
-            other = None
+        except Exception as e:  # noqa: BLE001 - an unreachable remote: the newest is unknown
+            # (not "the local tier alone": a job restarted from an older local step, or from
+            # scratch, would overwrite the remote tier's newer steps)
+            raise CliError(f"the remote tier {remote[0]} could not be read ({e}): the newest "
+                           "step is unknown", EXIT_STORAGE,
+                           hint="retry when the store answers") from None
         if other is not None and (local is None or other[0] > local[0]):
             return other, remote[1], "remote"
     if local is None:

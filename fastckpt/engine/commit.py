@@ -52,14 +52,37 @@ READ_BACK_S = 10.0
 OUTCOME_GRACE_S = 2.0
 #: how much longer than that the coordinator waits for their acknowledgements
 ACK_SLACK_S = 1.0
+#: how often a cancellable commit wait (an upload's) looks at its cancel: one store wait per
+#: rank a second while the slowest rank uploads
+CANCEL_SLICE_S = 1.0
+
+
+def _wait(exchange: Any, keys: list, deadline: float, cancel: Any, save_id: str,
+          rank: int) -> tuple[dict, list]:
+    """``exchange.wait`` until ``deadline``, in slices of CANCEL_SLICE_S that end it with a
+    CommitTimeoutError once ``cancel`` is set: (rank 0) before any decision, so nothing is
+    committed; (the others) the outcome is then unknown, and their files stay."""
+    while True:
+        step = deadline if cancel is None else min(deadline, time.monotonic() + CANCEL_SLICE_S)
+        found, missing = exchange.wait(keys, step)
+        if not missing or step >= deadline:
+            return found, missing
+        if cancel.is_set():
+            raise CommitTimeoutError(
+                f"save {save_id}: cancelled (superseded) before the commit decision"
+                + ("" if rank == 0 else " reached this rank: whether it committed is unknown"),
+                outcome_unknown=rank != 0, rank=rank)
 
 
 def commit(exchange: Any, *, save_id: str, rank: int, world_size: int, result: dict,
-           deadline: float, coordinator: Callable[[list[dict]], dict]) -> dict:
+           deadline: float, coordinator: Callable[[list[dict]], dict],
+           cancel: Any = None) -> dict:
     """Run the commit protocol on one rank; return the outcome or raise.
 
     ``deadline`` is a ``time.monotonic()`` value. Raises :class:`CommitTimeoutError` (naming
-    the missing ranks) or :class:`SaveFailedError` (naming every failing rank).
+    the missing ranks) or :class:`SaveFailedError` (naming every failing rank). ``cancel``
+    (a ``threading.Event``): set, it ends the wait for the results or the decision (a
+    superseded upload whose peers may never report: a preemption froze their tiers first).
     """
     out_key = f"{save_id}/outcome"
     mine = f"{save_id}/result/{rank}"
@@ -69,7 +92,7 @@ def commit(exchange: Any, *, save_id: str, rank: int, world_size: int, result: d
         exchange.set(mine, json.dumps(result).encode())
         if rank == 0:
             keys = [f"{save_id}/result/{r}" for r in range(world_size)]
-            found, missing = exchange.wait(keys, deadline)
+            found, missing = _wait(exchange, keys, deadline, cancel, save_id, rank)
             results = [json.loads(found[k]) if k in found else None for k in keys]
             failures = {r: res.get("error", "failed") for r, res in enumerate(results)
                         if res is not None and not res.get("ok")}
@@ -105,7 +128,8 @@ def commit(exchange: Any, *, save_id: str, rank: int, world_size: int, result: d
         else:
             # the coordinator decides at the deadline; wait a little longer for its verdict,
             # which names the ranks that did not report (else every rank would blame rank 0)
-            found, missing = exchange.wait([out_key], deadline + OUTCOME_GRACE_S)
+            found, missing = _wait(exchange, [out_key], deadline + OUTCOME_GRACE_S, cancel,
+                                   save_id, rank)
             if missing:
                 raise CommitTimeoutError(
                     f"save {save_id}: no commit decision from the coordinator, rank(s) [0], "

@@ -58,7 +58,7 @@ from .load import load_into
 from .claim import raise_setup_errors, setup_failures
 from .plan import PlanExchange, local_chunks
 from .compress import Compression
-from .tiering import Tier
+from .tiering import Tier, _skipped
 from .staging import (StagingPool, copy_all, copy_threads, first_piece_bytes, gather_piece,
                       piece_bytes, split, stage_piece)
 from .state import flatten
@@ -158,7 +158,10 @@ class Engine:
     def _committed(self, job: Job) -> None:
         """(writer thread) A save committed locally: upload it if its plan said so, else keep
         it as the tier's next candidate (see fastckpt/engine/tiering.py)."""
-        if self._tier is None or job.deadline is not None or self._tier.frozen:
+        if self._tier is None or job.deadline is not None:
+            return
+        if self._tier.frozen:  # (the emergency path uploads what it decides; not this)
+            _skipped(job)
             return
         if job.upload:
             self._tier.submit(job)
@@ -288,6 +291,8 @@ class Engine:
         if self._tier is not None and deadline is None:  # (emergency saves: the trigger's call)
             job.upload = self._upload_next
             handle.remote_state = "pending" if job.upload else "deferred"
+            if not job.upload and self.rank == 0:
+                self._tier.expect(job)
             if not job.upload:
                 log.info("fastckpt: step %d: uploaded once the upload of an earlier step is "
                          "over, unless a newer step replaces it", step)

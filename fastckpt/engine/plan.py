@@ -437,7 +437,11 @@ class PlanExchange:
     # -- the coordinator ---------------------------------------------------------------------
     def decide(self, values: list[dict]) -> dict:
         """(rank 0) The verdict for every rank, from every rank's :meth:`value`."""
-        out = {"up_busy": any(v.get("up_busy") for v in values),
+        # rank 0's uploader decides: it names every chained upload, so while it is busy a
+        # deferred step is its chain's to name, and once it is idle no chain will name one
+        # (the others' uploads of the step it waited for are over; a deferred step would
+        # stay behind: remote_state "deferred" for good)
+        out = {"up_busy": bool(values[0].get("up_busy")),
                "error": state_errors(values), "how": "exchange"}
         if out["error"] or not self._reuses(values):
             if not out["error"]:  # what each rank compares its table and its list with

@@ -5,10 +5,11 @@ the node: a checkpoint counts once it is off the node.
 
 Call sequence of one upload (``Tier``; "uploader": one background thread per Checkpointer):
 
-1. (all ranks, training thread, in the save's plan exchange) every rank says whether its
-   uploader is still busy with an earlier step; if none is, the step is uploaded once it is
-   committed locally, else it is *deferred* (``SaveHandle.remote_state == "deferred"``). No
-   local save ever waits for an upload.
+1. (all ranks, training thread, in the save's plan exchange) rank 0 says whether its
+   uploader is still busy with an earlier step (it names every chained step, and is idle only
+   once the others' uploads of the last one are over); if not, the step is uploaded once it
+   is committed locally, else it is *deferred* (``SaveHandle.remote_state == "deferred"``)
+   and rank 0 expects it (``expect``). No local save ever waits for an upload.
 2. (all ranks, writer thread, after the local commit) the step goes to the uploader: this
    rank's files (names, sizes, chunk offsets and checksums) and, on the coordinator, the
    manifest's bytes; a deferred step replaces the previous deferred one (which is then
@@ -31,15 +32,18 @@ Call sequence of one upload (``Tier``; "uploader": one background thread per Che
    were kept only for their upload.
 6. The handle's remote completion is set: committed, or failed (``wait_remote()`` raises).
 7. (all ranks, uploader) the chain: (coordinator) names the newest deferred step under
-   ``<save_id>.chain`` (or none); every rank uploads that step next (1-6), its uploader staying
-   busy meanwhile. So the remote tier gets the newest step whenever the uploader is free, and
-   ``close()`` (which waits for the chain) leaves the newest step uploaded unless a save came
-   in the moment the chain ended. Every wait is bounded by ``commit_timeout_s``.
+   ``<save_id>.chain`` (or none, once no step it expects is still being written locally);
+   every rank uploads that step next (1-6), its uploader staying busy meanwhile. So the
+   remote tier gets the newest step whenever the uploader is free, and ``close()`` (which
+   waits for the chain) leaves the newest step uploaded. Every wait is bounded by
+   ``commit_timeout_s``; an upload superseded by a preemption stops waiting at its commit
+   (its peers may never report: their tiers froze first).
 
-Resume (``Tier.load``): every rank reports the newest committed step of each tier; the newest
-step of either tier is loaded, from the local root when every rank has it there (faster),
-else from the remote root; a local copy that fails to load (a damaged or missing shard) is
-loaded from the remote tier instead. ``last_load`` says which tier it came from.
+Resume (``Tier.load``, engine/tierload.py): every rank reports the newest committed step of
+each tier; the newest step of either tier is loaded, from the local root when every rank has
+it there (faster), else from the remote root; a local copy that fails to load (a damaged or
+missing shard) is loaded from the remote tier instead. ``last_load`` says which tier it came
+from. A tier that could not be listed fails the resume by name (the newest step is unknown).
 
 Limits: the local root is one file system every rank of the job sees (one node's NVMe, or a
 shared file system), as for an untiered root. Node-local disks of a multi-node job are not a
@@ -59,15 +63,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, FastCkptError,
-                      StorageError)
+from ..errors import CorruptCheckpointError, FastCkptError, StorageError
 from ..lease import WriterLease
 from ..manifest import schema as fmt
-from ..manifest.discovery import find_step
 from ..retention import apply_retention
 from ..storage import Storage
 from .commit import commit, publish_checked
-from .load import IndexSelector, load_into
 
 log = logging.getLogger("fastckpt")
 #: how long a rank waits at a time for the coordinator's choice of the next upload (it
@@ -128,6 +129,9 @@ class Tier:
         self._pending = 0  # queued or running, the chain included
         self._lock = threading.Condition()
         self._deferred: list = []  # deferred, locally committed Jobs, oldest first
+        #: (coordinator) Jobs planned as deferred, not yet committed locally: the chain waits
+        #: for them (a chain that ended before such a step committed would leave it behind)
+        self._expected: list = []
         self._thread: threading.Thread | None = None
         self._lease: WriterLease | None = None
         self._recorded = False
@@ -175,11 +179,18 @@ class Tier:
         except StorageError as e:
             log.warning("fastckpt: could not record the remote tier in %s: %s", st.root, e)
 
+    def expect(self, job: Any) -> None:
+        """(coordinator, training thread) A save planned as deferred: until it is committed
+        (``defer``) or has failed, the chain does not end without it."""
+        with self._lock:
+            self._expected = [j for j in self._expected if not j.handle.done()] + [job]
+
     def defer(self, job: Any) -> None:
         """(writer thread) A committed local save whose plan found an uploader busy: a
         candidate of the chain (step 7). The last few are kept: a rank may commit a newer
         one before the coordinator names the older one (its housekeeping comes first)."""
         with self._lock:
+            self._expected = [j for j in self._expected if j is not job]
             self._deferred.append(job)
             old = self._deferred[:-DEFERRED_KEPT]
             del self._deferred[:-DEFERRED_KEPT]
@@ -189,11 +200,15 @@ class Tier:
 
     def _take_deferred(self, save_id: str | None, until: float) -> Any:
         """A deferred job, removed with the older ones (which are skipped): ``save_id``'s,
-        waited for until ``until``; None: the newest there is (or None)."""
+        waited for until ``until``; None: the newest there is (or None), waiting until
+        ``until`` while a save planned as deferred is still being written (``expect``)."""
         with self._lock:
             while True:
                 ids = [j.plan.save_id for j in self._deferred]
-                if save_id is None or save_id in ids:
+                if save_id is None:  # (a failed save's handle is done without a defer)
+                    self._expected = [j for j in self._expected if not j.handle.done()]
+                if save_id is None and (ids or not self._expected or self.frozen) or \
+                        save_id in ids:
                     i = len(ids) - 1 if save_id is None else ids.index(save_id)
                     job = self._deferred[i] if i >= 0 else None
                     older = self._deferred[:max(i, 0)]
@@ -202,7 +217,7 @@ class Tier:
                 left = until - time.monotonic()
                 if left <= 0:
                     return None
-                self._lock.wait(min(left, 1.0))
+                self._lock.wait(min(left, 0.1 if save_id is None else 1.0))
         for j in older:
             _skipped(j)
         return job
@@ -358,7 +373,7 @@ class Tier:
             commit(group.exchange, save_id=f"{up.save_id}.remote", rank=self.rank,
                    world_size=group.world_size, result=result, deadline=deadline,
                    coordinator=lambda results: self._publish(up, self.storage.bounded(
-                       deadline), d))
+                       deadline), d), cancel=up.cancel)
         except FastCkptError as e:
             if not getattr(e, "outcome_unknown", False):
                 self._discard(up, d)
@@ -466,83 +481,19 @@ class Tier:
         except Exception as e:  # noqa: BLE001 - gc removes it later
             log.warning("fastckpt: could not remove %s: %s", path, e)
 
-    # -- resume across tiers -------------------------------------------------------------------
+    # -- resume across tiers (engine/tierload.py) ----------------------------------------------
     def load(self, state: dict | None, *, step: int | None, verify: bool, strict: bool,
              timeout_s: float) -> tuple[int, dict]:
         """(all ranks) Load the newest committed step of either tier (or ``step``), from the
         local root when every rank has it there; see the module docstring."""
-        group = self.engine.group
-        # first each rank validates only the chunk indexes it loads from (its own at the saved
-        # world size, see load_into); if any rank passed over a damaged step, every rank looks
-        # again reading every index, so that a damaged index of one rank makes all of them
-        # pass over it alike
-        own = (IndexSelector(state, group.rank, group.world_size, strict)
-               if state is not None else None)
-        while True:
-            (local, d1), (remote, d2) = (_newest(self.engine.storage, step, own),
-                                         _newest(self.storage, step, own))
-            mine = {"local": local, "remote": remote, "damaged": d1 or d2}
-            # (to rank 0 alone, which answers with the summary: O(N) where a gather is O(N^2))
-            seen = group.decide(mine, _tiers_seen, timeout_s=timeout_s,
-                                what="load: the tiers' newest steps")
-            if own is None or not seen.get("damaged"):
-                break
-            own = None
-        best = seen["best"]
-        if best is None:
-            where = f"step {step}" if step is not None else "no committed checkpoint"
-            raise CheckpointNotFoundError(
-                f"{where} in either tier: {self.engine.storage.root} or "
-                f"{remote_display(self.url)}")
-        order = []
-        if seen["local"]:
-            order.append(("local", self.engine.storage))
-        if seen["remote"]:
-            order.append(("remote", self.storage))
-        if not order:  # the ranks saw different steps (a commit between their listings)
-            raise CheckpointNotFoundError(
-                f"the ranks do not agree on the newest step (rank: its newest local and "
-                f"remote step: {seen['differ']}); try again")
-        last: BaseException | None = None
-        for i, (tier, st) in enumerate(order):
-            try:
-                out = load_into(st, state, step=best, verify=verify, strict=strict,
-                                group=group, timeout_s=timeout_s)
-            except (CorruptCheckpointError, StorageError) as e:
-                if i + 1 == len(order):
-                    raise
-                log.warning("fastckpt: rank %d: step %d did not load from the %s tier (%s); "
-                            "loading it from the %s tier", self.rank, best, tier, e,
-                            order[i + 1][0])
-                last = e
-                continue
-            root = st.root if tier == "local" else remote_display(self.url)
-            self.last_load = {"step": out[0], "tier": tier, "root": root}
-            log.info("fastckpt: rank %d: loaded step %d from the %s tier (%s)%s", self.rank,
-                     out[0], tier, root, f" after: {last}" if last else "")
-            return out
-        raise AssertionError("unreachable")  # pragma: no cover
+        from .tierload import load_tiers
+        return load_tiers(self, state, step=step, verify=verify, strict=strict,
+                          timeout_s=timeout_s)
 
 
 def _skipped(job: Any) -> None:
     job.handle.remote_state = "skipped"
     job.handle._remote_done.set()
-
-
-def _newest(st: Storage, step: int | None, own: Any = None) -> tuple[int | None, bool]:
-    """The newest committed step of a tier (or ``step`` if committed there), else None; and
-    whether a damaged step was passed over. ``own``: see ``find_step`` (of an indexed step,
-    only the indexes the load's ``IndexSelector`` names are read)."""
-    skipped: list = []
-    try:
-        return find_step(st, step, skipped=skipped, own=own)[0], bool(skipped)
-    except CheckpointNotFoundError:
-        return None, False
-    except CorruptCheckpointError:
-        return None, True
-    except StorageError as e:
-        log.warning("fastckpt: could not list %s: %s", getattr(st, "root", st), e)
-        return None, False
 
 
 def _named_files(up: Upload) -> set[str]:
@@ -584,16 +535,3 @@ def _drop_cache(path: str) -> None:
 
 
 __all__ = ["Tier", "Upload", "TIERS_FILE", "remote_display"]
-
-
-def _tiers_seen(views: list[dict]) -> dict:
-    """(rank 0, ``Group.decide``) From every rank's newest step per tier: the newest step of
-    all, whether every rank has it in each tier, the first ranks whose view differs from
-    it, and whether any rank passed over a damaged step (``damaged``)."""
-    found = [v[t] for v in views for t in ("local", "remote") if v[t] is not None]
-    best = max(found) if found else None
-    differ = [[r, v["local"], v["remote"]] for r, v in enumerate(views)
-              if v["local"] != best or v["remote"] != best]
-    return {"best": best, "local": all(v["local"] == best for v in views),
-            "remote": all(v["remote"] == best for v in views), "differ": differ[:8],
-            "damaged": any(v.get("damaged") for v in views)}

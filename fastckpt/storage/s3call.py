@@ -36,6 +36,9 @@ CONCURRENCY = 32
 MAX_ATTEMPTS = 8
 RETRY_BASE_S = 0.1
 RETRY_CAP_S = 5.0
+#: the retries' jitter: a generator of fastckpt's own (``random``'s module functions draw from
+#: the user's generator: a retried request would shift the job's random stream)
+_JITTER = random.Random()
 MIN_PART = 5 << 20
 MAX_PARTS = 10_000
 
@@ -232,7 +235,7 @@ class S3Calls:
                 if code in _THROTTLE_CODES or status in (429, 503):
                     self.stats["throttled"] += 1
                 left = until - time.monotonic()
-                sleep = random.uniform(0, min(RETRY_CAP_S, RETRY_BASE_S * 2 ** (attempt - 1)))
+                sleep = _JITTER.uniform(0, min(RETRY_CAP_S, RETRY_BASE_S * 2 ** (attempt - 1)))
                 if not _retryable(e) or attempt >= self.max_attempts or sleep >= left:
                     raise S3RequestError(op, url, code, status, msg, attempt) from e
                 self.stats["retries"] += 1

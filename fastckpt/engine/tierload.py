@@ -1,0 +1,130 @@
+"""Resume across the tiers of ``Checkpointer(local, remote=url)`` (the module docstring of
+tiering.py has the whole design).
+
+Call sequence of ``load_tiers`` (all ranks):
+
+1. each rank lists both tiers: the newest committed step of each (or whether ``step`` is
+   committed there), whether it passed over a damaged step, and the error of a listing that
+   failed;
+2. rank 0 alone receives the views (``Group.decide``: O(N), a gather is O(N^2)) and answers
+   with the newest step of all, whether every rank has it in each tier, and the listing
+   errors;
+3. a listing that failed on any rank fails the load on every rank (a ``StorageError`` naming
+   the rank, the tier and the error) unless the load named a step that a tier holds for every
+   rank: "no checkpoint" from a store that did not answer would start the job from scratch,
+   and its saves would then replace the remote tier's newer steps;
+4. the step is loaded from the local root when every rank has it there (faster), else from
+   the remote root; a local copy that fails to load is loaded from the remote tier instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from ..manifest.discovery import find_step
+from ..storage import Storage
+from .load import IndexSelector, load_into
+
+log = logging.getLogger("fastckpt")
+
+
+def load_tiers(tier: Any, state: dict | None, *, step: int | None, verify: bool, strict: bool,
+               timeout_s: float) -> tuple[int, dict]:
+    """(all ranks) Load the newest committed step of either tier of ``tier`` (a
+    ``tiering.Tier``), or ``step``; set ``tier.last_load``."""
+    from .tiering import remote_display
+    engine = tier.engine
+    group = engine.group
+    # first each rank validates only the chunk indexes it loads from (its own at the saved
+    # world size, see load_into); if any rank passed over a damaged step, every rank looks
+    # again reading every index, so that a damaged index of one rank makes all of them
+    # pass over it alike
+    own = (IndexSelector(state, group.rank, group.world_size, strict)
+           if state is not None else None)
+    while True:
+        (local, d1, e1), (remote, d2, e2) = (_newest(engine.storage, step, own),
+                                             _newest(tier.storage, step, own))
+        mine = {"local": local, "remote": remote, "damaged": d1 or d2,
+                "errors": [f"{t} tier: {e}" for t, e in (("local", e1), ("remote", e2)) if e]}
+        seen = group.decide(mine, _tiers_seen, timeout_s=timeout_s,
+                            what="load: the tiers' newest steps")
+        if own is None or not seen.get("damaged"):
+            break
+        own = None
+    best = seen["best"]
+    order = []
+    if seen["local"]:
+        order.append(("local", engine.storage))
+    if seen["remote"]:
+        order.append(("remote", tier.storage))
+    if seen["errors"] and (step is None or not order):
+        r, what = seen["errors"][0]
+        raise StorageError(
+            f"resume across tiers: could not list the {what}"
+            + (f" ({len(seen['errors'])} listing(s) failed)" if len(seen["errors"]) > 1 else "")
+            + ": which step is the newest is unknown, so nothing was loaded (a restart from "
+            "scratch would overwrite the newer steps). Retry when the store answers, or load a "
+            "step by number", rank=r)
+    if best is None:
+        where = f"step {step}" if step is not None else "no committed checkpoint"
+        raise CheckpointNotFoundError(
+            f"{where} in either tier: {engine.storage.root} or {remote_display(tier.url)}")
+    if not order:  # the ranks saw different steps (a commit between their listings)
+        raise CheckpointNotFoundError(
+            f"the ranks do not agree on the newest step (rank: its newest local and "
+            f"remote step: {seen['differ']}); try again")
+    last: BaseException | None = None
+    for i, (name, st) in enumerate(order):
+        try:
+            out = load_into(st, state, step=best, verify=verify, strict=strict,
+                            group=group, timeout_s=timeout_s)
+        except (CorruptCheckpointError, StorageError) as e:
+            if i + 1 == len(order):
+                raise
+            log.warning("fastckpt: rank %d: step %d did not load from the %s tier (%s); "
+                        "loading it from the %s tier", tier.rank, best, name, e,
+                        order[i + 1][0])
+            last = e
+            continue
+        root = st.root if name == "local" else remote_display(tier.url)
+        tier.last_load = {"step": out[0], "tier": name, "root": root}
+        log.info("fastckpt: rank %d: loaded step %d from the %s tier (%s)%s", tier.rank,
+                 out[0], name, root, f" after: {last}" if last else "")
+        return out
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _newest(st: Storage, step: int | None, own: Any = None
+            ) -> tuple[int | None, bool, str | None]:
+    """The newest committed step of a tier (or ``step`` if committed there), else None;
+    whether a damaged step was passed over; the error of a listing that failed (then the
+    step is unknown, not absent). ``own``: see ``find_step`` (of an indexed step, only the
+    indexes the load's ``IndexSelector`` names are read)."""
+    skipped: list = []
+    try:
+        return find_step(st, step, skipped=skipped, own=own)[0], bool(skipped), None
+    except CheckpointNotFoundError:
+        return None, False, None
+    except CorruptCheckpointError:
+        return None, True, None
+    except StorageError as e:
+        log.warning("fastckpt: could not list %s: %s", getattr(st, "root", st), e)
+        return None, False, str(e)
+
+
+def _tiers_seen(views: list[dict]) -> dict:
+    """(rank 0, ``Group.decide``) From every rank's newest step per tier: the newest step of
+    all, whether every rank has it in each tier, the first ranks whose view differs from
+    it, whether any rank passed over a damaged step (``damaged``), and the first listing
+    errors as [rank, error]."""
+    found = [v[t] for v in views for t in ("local", "remote") if v[t] is not None]
+    best = max(found) if found else None
+    differ = [[r, v["local"], v["remote"]] for r, v in enumerate(views)
+              if v["local"] != best or v["remote"] != best]
+    errors = [[r, e] for r, v in enumerate(views) for e in v.get("errors") or ()]
+    return {"best": best, "local": best is not None and all(v["local"] == best for v in views),
+            "remote": best is not None and all(v["remote"] == best for v in views),
+            "differ": differ[:8], "damaged": any(v.get("damaged") for v in views),
+            "errors": errors[:8]}
