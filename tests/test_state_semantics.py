@@ -90,6 +90,62 @@ def test_fingerprint_option_is_checked():
         fastckpt.CheckpointOptions(fingerprint="sometimes")
 
 
+def _empty_shard_model(fsdp: bool):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))  # (1, 16): rank 1
+    if fsdp:                                                                  # holds no row
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(m, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    return m
+
+
+def _empty_shard_save(rank: int, world: int, root: str):
+    m = _empty_shard_model(True)
+    opt = torch.optim.Adam(m.parameters())
+    for _ in range(3):
+        m(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    fastckpt.save({"model": m, "optim": opt}, root, step=1)
+    st = opt.state[m[1].weight]
+    return st["exp_avg"].full_tensor(), st["exp_avg_sq"].full_tensor()
+
+
+def _empty_shard_load(rank: int, world: int, root: str):
+    m = _empty_shard_model(False)
+    opt = torch.optim.Adam(m.parameters())
+    fastckpt.load({"model": m, "optim": opt}, root)
+    st = opt.state[m[1].weight]
+    return st["exp_avg"].clone(), st["exp_avg_sq"].clone(), st["exp_avg_sq"] is st["exp_avg"]
+
+
+def test_moments_of_a_parameter_with_no_rows_on_a_rank_are_not_tied(root):
+    # every empty tensor's memory is at address 0: before 2026-12-06 rank 1's exp_avg and
+    # exp_avg_sq of the (1, 16) weight (no row on rank 1) counted as one tied tensor, and a
+    # load where rank 1 holds it whole gave exp_avg_sq exp_avg's values (NaN at the next step)
+    avg, sq = distributed.run(_empty_shard_save, 2, root)[0]
+    for world in (2, 1):
+        for got_avg, got_sq, same in distributed.run(_empty_shard_load, world, root):
+            assert torch.equal(got_avg, avg) and torch.equal(got_sq, sq) and not same
+
+
+def test_a_tied_destination_of_two_saved_tensors_is_filled_whole(root, caplog):
+    # the state ties a and b (one memory), the checkpoint holds them apart: before 2026-12-06
+    # the readers filled the memory at once (a mix of both, or a false checksum error)
+    n = (16 << 20) // 4
+    fastckpt.save({"a": torch.full((n,), 1.0), "b": torch.full((n,), 2.0)}, root, step=1)
+    for _ in range(4):
+        t = torch.zeros(n)
+        fastckpt.load({"a": t, "b": t}, root)
+        assert bool((t == 2.0).all())  # "b" sorts last: it holds the data
+    assert any("share memory" in r.getMessage() for r in caplog.records)
+    a, b = torch.zeros(n), torch.zeros(n)  # apart in the state too: each its own
+    fastckpt.load({"a": a, "b": b}, root)
+    assert bool((a == 1.0).all()) and bool((b == 2.0).all())
+
+
 # -------------------------------------------------------------------------- 4. tied tensors
 
 class Tied(torch.nn.Module):

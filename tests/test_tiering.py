@@ -268,6 +268,48 @@ def test_retried_requests_leave_the_users_random_stream_alone(tmp_path, s3, prox
     assert random.getstate() == before  # (the jitter had drawn from random's own generator)
 
 
+def _sharded(world: int, seed: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(64, 1024, generator=g) if seed else torch.zeros(64, 1024)
+    return {"w": distribute_tensor(full, init_device_mesh("cpu", (world,)), [Shard(0)]),
+            "step": seed}
+
+
+def _tiered_save(rank, world, local, remote):
+    from fastckpt.storage.local import LocalStorage
+    with fastckpt.Checkpointer(local, remote=LocalStorage(remote)) as ck:
+        ck.save(_sharded(world, 1), step=1, block=True).wait_remote(timeout=60)
+
+
+def _tiered_resume(rank, world, local, remote):
+    from fastckpt.storage.local import LocalStorage
+    with fastckpt.Checkpointer(local, remote=LocalStorage(remote), plan_timeout_s=20) as ck:
+        st = _sharded(world, 0)
+        step = ck.resume(st)
+        return step, ck.last_load["tier"], torch.equal(st["w"].full_tensor(),
+                                                       _sharded(world, 1)["w"].full_tensor())
+
+
+def test_a_chunk_damaged_for_one_rank_only_is_loaded_from_the_remote_tier(tmp_path):
+    # rank 1's rows are damaged locally: rank 1 reads a bad checksum, rank 0 hears of it.
+    # Before 2026-12-06 rank 0 raised a plain FastCkptError (no fallback) while rank 1 went
+    # on to the remote tier alone and timed out in its agreement
+    local, remote = str(tmp_path / "loc"), str(tmp_path / "rem")
+    run(_tiered_save, 2, local, remote)
+    d = os.path.join(local, "step-0000000001")
+    with open(os.path.join(d, "manifest.json")) as f:
+        body = json.load(f)["body"]
+    c = next(c for c in body["tensors"]["w"]["chunks"] if c["offsets"][0] == 32)
+    with open(os.path.join(d, c["file"]), "r+b") as f:
+        f.seek(c["offset"] + 10)
+        b = f.read(1)
+        f.seek(c["offset"] + 10)
+        f.write(bytes([b[0] ^ 1]))
+    assert run(_tiered_resume, 2, local, remote) == [(1, "remote", True)] * 2
+
+
 # --------------------------------------------------------------------------------- failures
 
 def test_a_failed_upload_keeps_the_local_commit_and_shows_nothing_remotely(tmp_path, s3,

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, FastCkptError,
-                      StepRemovedError)
+                      StepRemovedError, StorageError)
 from ..manifest import schema as fmt
 from ..manifest.discovery import find_step, is_partial
 from ..manifest.index import writers_of
@@ -355,8 +355,10 @@ def _load_once(storage: Storage, state: dict | None, *, step: int | None, verify
     bad, n_bad = agreed["bad"], agreed["n_bad"]
     if n_bad:
         more = f"; and {n_bad - len(bad)} more rank(s)" if n_bad > len(bad) else ""
-        raise FastCkptError("load failed on other ranks: " +
-                            "; ".join(f"rank {r}: {m}" for r, m in bad) + more)
+        # (a damaged checkpoint everywhere it failed: the same class on every rank, so that
+        # a tiered resume loads the step from the other tier on all of them alike)
+        raise (CorruptCheckpointError if agreed.get("corrupt") else FastCkptError)(
+            "load failed on other ranks: " + "; ".join(f"rank {r}: {m}" for r, m in bad) + more)
     assert plan is not None and reader is not None and found_step is not None
     if world == 1 and _read_whole_tensors(reader, plan.targets):
         for fn in plan.finish:
@@ -379,7 +381,11 @@ def _load_once(storage: Storage, state: dict | None, *, step: int | None, verify
             raise mine from None
         detail = "; ".join(f"rank {r}: {type(x).__name__}: {x}"
                            for r, x in sorted(failures.items()))
-        raise FastCkptError(f"load of step {found_step} failed: {detail or e}") from None
+        # another rank read a damaged chunk (or its storage failed): the same class here as
+        # there (a tiered resume falls back to the other tier on every rank alike)
+        kind = next((k for k in (CorruptCheckpointError, StorageError)
+                     if any(isinstance(x, k) for x in failures.values())), FastCkptError)
+        raise kind(f"load of step {found_step} failed: {detail or e}") from None
     for fn in plan.finish:
         fn()
     return found_step, state
@@ -442,4 +448,5 @@ def _agreement(statuses: list) -> dict:
     return {"steps": list(dict.fromkeys(s[0] for s in statuses)),
             "removed": any(s[2] for s in statuses),
             "damaged": any(s[3] for s in statuses if len(s) > 3),
+            "corrupt": bool(bad) and all(len(s) > 3 and s[3] for s in statuses if s[1]),
             "bad": bad[:AGREE_NAMED_MAX], "n_bad": len(bad)}

@@ -16,6 +16,7 @@ metadata) plus the callbacks that put plain values and sub-states back once the 
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -27,6 +28,9 @@ from ..manifest import schema as fmt
 from ..manifest.values import TENSOR_TAG, decode_value, encode_value, skel_items, skel_seq
 from ..manifest.values import fqn as _fqn
 from ..manifest.values import path_str as _path_str
+
+log = logging.getLogger("fastckpt")
+
 
 def is_dtensor(x: Any) -> bool:
     # a DTensor can only exist once its module was imported: no need to import it here (slow)
@@ -243,19 +247,25 @@ def _tensor_ref(t: torch.Tensor, path: tuple, flat: Flat) -> dict:
         raise UnsupportedStateError(f"two tensors map to the same key path {fqn!r}; rename one",
                                     key=fqn)
     view = _view_key(t)
-    first = flat.views.get(view)
+    first = flat.views.get(view) if view is not None else None
     if first is not None:  # tied: the same memory under a second key (GPT-2's lm_head/wte)
         flat.aliases[fqn] = first
         return {TENSOR_TAG: first}  # written once; the skeleton points both keys at it
-    flat.views[view] = fqn
+    if view is not None:
+        flat.views[view] = fqn
     flat.tensors[fqn] = t
     return {TENSOR_TAG: fqn}
 
 
-def _view_key(t: torch.Tensor) -> tuple:
+def _view_key(t: torch.Tensor) -> tuple | None:
     """What makes two tensors the same memory seen the same way (a tie), for plain tensors and
-    DTensors (their local shards) alike."""
+    DTensors (their local shards) alike; None for a tensor with no elements here: every empty
+    tensor's memory is at address 0, so two FSDP2 moments of a parameter whose rows do not
+    reach this rank would look tied (before 2026-12-06 they were: this rank's skeleton said
+    exp_avg_sq is exp_avg, and a load elsewhere gave it exp_avg's values)."""
     local = t.to_local() if is_dtensor(t) else t
+    if local.numel() == 0:
+        return None
     return (local.device.type, local.device.index, local.untyped_storage().data_ptr(),
             local.storage_offset(), tuple(local.shape), tuple(local.stride()), local.dtype,
             local.is_conj(), local.is_neg(), tuple(t.shape))
@@ -293,7 +303,47 @@ def plan_load(state: dict, skeleton: Any, tensor_meta: dict[str, dict], *, stric
     plan = LoadPlan()
     modules = _find_modules(state, [])
     _plan_container(state, skeleton, (), plan, tensor_meta, strict, alloc, modules)
+    _apart(plan)
     return plan
+
+
+def _apart(plan: LoadPlan) -> None:
+    """Destinations of two saved tensors that share memory (a tied model, an untied
+    checkpoint; overlapping views): the readers fill targets at once, each checksummed from
+    its destination, so they would mix the two (and fail the checksum of a sound chunk).
+    Each such tensor is read into one of its own and copied in after the reads, in key
+    order: the key that sorts last holds the data (a warning names them). Spans are compared
+    by extent (conservative: interleaved views take the copies too)."""
+    spans: dict = {}
+    for fqn, t in plan.targets.items():
+        local = t.to_local() if is_dtensor(t) else t
+        if local.numel() == 0 or local.device.type == "meta":
+            continue
+        size = local.element_size()
+        start = local.storage_offset() * size
+        end = start + (sum((n - 1) * st for n, st in zip(local.shape, local.stride())) + 1) * size
+        key = (local.device.type, local.device.index, local.untyped_storage().data_ptr())
+        spans.setdefault(key, []).append((start, end, fqn))
+    shared: set = set()
+    for lst in spans.values():
+        lst.sort()
+        reach, first = -1, None
+        for start, end, fqn in lst:
+            if start < reach:
+                shared |= {first, fqn}
+            if end > reach:
+                reach, first = end, fqn
+    if shared:
+        log.warning("fastckpt: %s share memory in the state but are separate tensors in the "
+                    "checkpoint: each is read on its own and copied in, %r last (it holds the "
+                    "data)", sorted(shared), max(shared))
+    copies = []
+    for fqn in sorted(shared):
+        dest = plan.targets[fqn]
+        own = torch.empty_like(dest)
+        plan.targets[fqn] = own
+        copies.append(lambda d=dest, o=own: d.copy_(o))
+    plan.finish[:0] = copies  # (before the rest: a tie's copy reads a destination)
 
 
 def _plan_container(dest: Any, skel: Any, path: tuple, plan: LoadPlan, meta: dict, strict: bool,
