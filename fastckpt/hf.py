@@ -126,6 +126,7 @@ class FastCkptCallback(TrainerCallback):
         self._trainer: Any = None
         self._ck: Checkpointer | None = None
         self._last_saved: int | None = None
+        self._epoch_save: int | None = None  # an ``every`` step that ends an epoch
         self._resume_dir: str | None = None
         self._resume_step: int | None = None
         self._armed = False  # the Trainer took the resume directory (its model loader ran)
@@ -200,10 +201,25 @@ class FastCkptCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.every is not None and state.global_step % self.every == 0:
-            control.should_save = True  # the Trainer then calls _save_checkpoint (ours)
+            if state.epoch is not None and float(state.epoch).is_integer():
+                # the epoch's last step: its end events (an epoch's evaluation, which draws
+                # random numbers and updates the TrainerState) come after this step's save,
+                # so the save waits for them (on_epoch_end), as the Trainer's epoch save does
+                self._epoch_save = state.global_step
+            else:
+                control.should_save = True  # the Trainer then calls _save_checkpoint (ours)
+        return control
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if self._epoch_save == state.global_step:
+            control.should_save = True  # (the Trainer saves after this epoch's evaluation)
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self._epoch_save == state.global_step and self._last_saved != state.global_step \
+                and self._trainer is not None:  # (no epoch end came: the step's save now)
+            self._save_checkpoint(self._trainer.model, None)
+        self._epoch_save = None
         self._drop_resume()
         ck, self._ck = self._ck, None
         if ck is not None:
@@ -215,10 +231,16 @@ class FastCkptCallback(TrainerCallback):
         """(replaces ``Trainer._save_checkpoint``; all ranks) The fastckpt save of this step."""
         trainer = self._trainer
         step = trainer.state.global_step
-        if step == self._last_saved:  # e.g. the end of an epoch right after a step's save
-            return
+        if step == self._last_saved and step == self._resume_step:
+            return  # (the step just loaded: nothing changed since)
+        # a second save of one step (the Trainer's step save, then its epoch save after the
+        # epoch's evaluation) replaces the first: the state after the epoch's end events is
+        # what an uninterrupted run goes on from (before 2026-12-06 the first one stayed)
         ck = self.checkpointer
         text = self._trainer_state_json(trainer, trial)
+        best = trainer.state.best_global_step if trainer.args.metric_for_best_model else None
+        # retention keeps the best step, as the Trainer's rotation keeps its best checkpoint
+        ck._writer.keep = frozenset({best} if best else ())
         ck.save(self._state(text), step=step,
                 user_meta={"written_by": "fastckpt.hf.FastCkptCallback",
                            "global_step": step, "epoch": trainer.state.epoch})

@@ -111,8 +111,9 @@ def make_trainer(kind: str, *, root: str | None = None, seed: int = 0, every: in
     if root is not None:
         ckpt = fastckpt.hf.FastCkptCallback(root, every=every, keep_last=keep_last)
         callbacks.insert(0, ckpt)
+    evaluating = settings.get("eval_strategy", "no") != "no"
     trainer = Trainer(model=model, args=TrainingArguments(**settings), train_dataset=Tokens(),
-                      callbacks=callbacks)
+                      eval_dataset=Tokens(8) if evaluating else None, callbacks=callbacks)
     return trainer, ckpt, rec
 
 

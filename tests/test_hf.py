@@ -121,6 +121,36 @@ def test_trainer_resume_in_fresh_process_is_bit_exact(kind, tmp_path):
         _check_tie_stored_once(root)
 
 
+def test_a_save_at_an_epochs_last_step_follows_the_epochs_evaluation(tmp_path):
+    """3 steps an epoch, an evaluation at each epoch's end (it draws random numbers and adds to
+    the TrainerState), ``every=3``: the save of step 6 comes after epoch 2's evaluation, as the
+    Trainer's own epoch save does, so the resume goes on bit-exact. Before 2026-12-06 it was
+    taken at the step's end, before the evaluation: steps 7-8 differed."""
+    root = str(tmp_path / "ckpt")
+    ref = hf_run.train("gpt2", out_dir=str(tmp_path / "ref"), eval_strategy="epoch")
+    hf_run.train("gpt2", root=root, every=3, stop_at=6, eval_strategy="epoch")
+    assert fastckpt.steps(root) == [3, 6]
+    got = hf_run.train("gpt2", root=root, every=3, seed=99, resume=True,
+                       eval_strategy="epoch")
+    assert got["losses"] == {s: ref["losses"][s] for s in (7, 8)}
+    _assert_same_run(ref, got)
+
+
+def test_save_total_limit_keeps_the_best_step_as_the_trainers_rotation_does(tmp_path):
+    """``metric_for_best_model`` with ``save_total_limit=2``: the Trainer's rotation keeps its
+    best checkpoint besides the newest ones; retention keeps the best step too (before
+    2026-12-06 only the newest two stayed: the best weights were removed)."""
+    root = str(tmp_path / "ckpt")
+    trainer, ckpt, _ = hf_run.make_trainer(
+        "gpt2", root=root, max_steps=15, eval_strategy="epoch", save_strategy="epoch",
+        save_total_limit=2, metric_for_best_model="eval_loss", greater_is_better=False,
+        learning_rate=1.0, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0)
+    trainer.train(resume_from_checkpoint=ckpt.resume(trainer))
+    best = trainer.state.best_global_step
+    assert best in (3, 6, 9)  # (this run's losses: the best is not among the newest two)
+    assert fastckpt.steps(root) == sorted({best, 12, 15})
+
+
 def _fsdp_base(tmp_path, kind: str) -> str:
     d = str(tmp_path / f"base-{kind}")
     hf_run.build(kind, 0).save_pretrained(d)  # every rank loads the same start, sharded

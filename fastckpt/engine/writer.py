@@ -96,6 +96,8 @@ class Writer:
         self.on_committed: list[Callable[[Job], None]] = []
         #: steps retention must keep besides the one just committed (the remote tier's)
         self.protect: Callable[[], set] = set
+        #: steps retention must keep besides (an integration's: the Trainer's best step)
+        self.keep: frozenset = frozenset()
         #: the engine's compression (engine/compress.py), for the pieces of jobs that compress
         self.compression: Any = None
         self.queue: queue.Queue = queue.Queue()
@@ -430,7 +432,8 @@ class Writer:
                     st.remove(f"{d}/{n}")
 
         def retention(keep_last: int | None) -> None:
-            removed = apply_retention(st, keep_last, protect={plan.step} | set(self.protect()),
+            removed = apply_retention(st, keep_last, protect={plan.step} | set(self.protect())
+                                      | self.keep,
                                       force_partial=True)
             if removed:
                 log.info("fastckpt: retention removed steps %s", removed)
