@@ -149,6 +149,9 @@ class WriterLease:
         return self.storage.bounded(time.monotonic() + min(OP_S, self.renew_s))
 
     def _read(self) -> dict | None:
+        """The record (None: absent, or not a lease record); on a conditional store
+        ``_seen_version`` is the version read (None: absent), a torn record's too."""
+        self._seen_version = None
         try:
             if self._cond:  # with its version, for the conditional write that follows
                 got = self._op().read_versioned(self.path)
@@ -212,11 +215,16 @@ class WriterLease:
                        "job": job_id(), "acquired_unix": now, "renewed_unix": now,
                        "ttl_s": self.ttl_s}
         if self._cond:  # exactly one of racing takers writes: no read-back
+            # (a torn or foreign record is there, with a version: taken over by that version;
+            # put-if-absent would fail on it for good)
+            absent = rec is None and self._seen_version is None
             try:
                 self._version = self._op().put_conditional(
-                    self.path, self._encoded(), if_absent=rec is None,
-                    if_match=None if rec is None else self._seen_version)
+                    self.path, self._encoded(), if_absent=absent,
+                    if_match=None if absent else self._seen_version)
             except ConditionFailed:
+                if self._own_write_landed():  # a retried PUT whose first answer was lost
+                    return
                 back = self._read() or {}
                 raise WriterLockedError(
                     f"another job took the writer lease of {self.storage.root} at the same "
@@ -233,6 +241,16 @@ class WriterLease:
                 f"another job took the writer lease of {self.storage.root} at the same time "
                 f"({describe(back or {})}); one job writes a root at a time", holder=back or {},
                 file=self.path)
+
+    def _own_write_landed(self) -> bool:
+        """(conditional store, after ConditionFailed) Whether the record there is the one
+        this holder just wrote: a request retried after its answer was lost finds its own
+        write and fails the condition. Then its version is this holder's."""
+        back = self._read()
+        if back is not None and back == self.record:
+            self._version = self._seen_version
+            return True
+        return False
 
     def _encoded(self) -> bytes:
         return (json.dumps(self.record) + "\n").encode()
@@ -265,9 +283,10 @@ class WriterLease:
                     self._version = self._op().put_conditional(self.path, self._encoded(),
                                                                if_match=self._version)
                 except ConditionFailed:
-                    log.error("fastckpt: the writer lease of %s was taken over (%s); this job "
-                              "must not write there any more", self.storage.root,
-                              describe(self._read() or {}))
+                    if not self._own_write_landed():
+                        log.error("fastckpt: the writer lease of %s was taken over (%s); this "
+                                  "job must not write there any more", self.storage.root,
+                                  describe(self._read() or {}))
                 return
             self._write()
 

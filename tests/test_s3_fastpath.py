@@ -326,3 +326,49 @@ def test_the_lease_on_s3_is_taken_with_conditional_writes(s3, proxy, caplog):
         WriterLease(_storage(s3, proxy, "lease"), ttl_s=30, renew_s=10, wait_s=0.5).acquire()
     taker.release()
     assert not s3.fs.exists(s3.path("lease", ".writer.json"))
+
+
+def test_a_lease_write_whose_answer_was_lost_is_its_own(s3, proxy):
+    """A conditional PUT of the lease lands, its answer is lost, the retry fails the
+    condition (the object is there now): the record read back is this holder's own, so the
+    take and the renewal succeed. Before 2026-12-06 the take reported "another job took the
+    writer lease" describing itself, and after a lost renewal answer every later renewal
+    failed (a stale version): after the TTL another job could take a live holder's lease."""
+    import botocore.exceptions as bx
+    from fastckpt import WriterLockedError
+    from fastckpt.lease import WriterLease
+    st = _storage(s3, proxy, "lost")
+    assert st.conditional_writes()
+    client = st._run("session", st.fs.set_session)
+    real, lost = client.put_object, []
+
+    async def put_object(**kw):
+        out = await real(**kw)
+        cond = "IfNoneMatch" if "IfNoneMatch" in kw else "IfMatch" if "IfMatch" in kw else None
+        if kw["Key"].endswith(".writer.json") and cond and cond not in lost:
+            lost.append(cond)  # it landed; the answer never arrives (the client retries)
+            raise bx.ConnectionClosedError(endpoint_url=proxy.endpoint)
+        return out
+    client.put_object = put_object
+    lease = WriterLease(st, ttl_s=30, renew_s=10).acquire()
+    lease.renew()
+    lease.renew()  # over the version the lost answer carried: read back
+    assert lost == ["IfNoneMatch", "IfMatch"]
+    rec = json.loads(s3.fs.cat_file(s3.path("lost", ".writer.json")))
+    assert rec == lease.record
+    with pytest.raises(WriterLockedError, match="another job is writing"):
+        WriterLease(_storage(s3, proxy, "lost"), ttl_s=30, renew_s=10, wait_s=0.5).acquire()
+    lease.release()
+    assert not s3.fs.exists(s3.path("lost", ".writer.json"))
+
+
+@pytest.mark.parametrize("junk", [b"", b'{"owner": "abc", "rene', b"[]"])
+def test_an_unreadable_lease_record_on_a_conditional_store_is_taken_over(s3, proxy, junk):
+    # before 2026-12-06: put-if-absent over an object that is there, refused for good
+    from fastckpt.lease import WriterLease
+    s3.fs.pipe_file(s3.path("junk", ".writer.json"), junk)
+    lease = WriterLease(_storage(s3, proxy, "junk"), ttl_s=30, renew_s=10, wait_s=2).acquire()
+    rec = json.loads(s3.fs.cat_file(s3.path("junk", ".writer.json")))
+    assert rec["owner"] == lease.owner
+    lease.release()
+
