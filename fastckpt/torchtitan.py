@@ -179,8 +179,35 @@ class CheckpointManager(_TitanManager):
 
     def _purge_stale_checkpoints(self) -> None:
         if self.keep_latest_k > 0 and _dist.rank() == 0:
-            apply_retention(self._storage(self.folder), self.keep_latest_k,
-                            protect=set(self._writing))
+            storage = self._storage(self.folder)
+            apply_retention(storage, self.keep_latest_k, protect=set(self._writing))
+            self._purge_legacy(storage)
+
+    def _purge_legacy(self, storage: Storage) -> None:
+        """(rank 0) torchtitan's own ``step-N`` directories of a switched run, beyond the
+        newest ``keep_latest_k`` steps of both kinds (fastckpt's retention knows only its own
+        step names: before 2026-12-06 they were kept for good)."""
+        try:
+            names = storage.listdir(storage.root)
+        except StorageError:
+            return
+        legacy = {int(n[5:]): n for n in names
+                  if n.startswith("step-") and n[5:].isascii() and n[5:].isdigit()
+                  and n != fmt.step_dirname(int(n[5:]))}
+        if not legacy:
+            return
+        committed = set()
+        for step, d in list_steps(storage):
+            try:
+                if read_manifest(storage, d, step=step) is not None:
+                    committed.add(step)
+            except CorruptCheckpointError:
+                continue
+        newest = sorted(set(legacy) | committed)
+        keep = set(newest[-self.keep_latest_k:]) | set(self._writing)
+        for step, name in sorted(legacy.items()):
+            if step not in keep:
+                storage.remove_dir(storage.join(name))
 
     # -- helpers --------------------------------------------------------------------------------
     def _storage(self, folder: str) -> Storage:

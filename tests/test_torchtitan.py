@@ -8,6 +8,8 @@ import json
 import os
 
 import pytest
+import torch
+
 import fastckpt
 from fastckpt.manifest import schema as fmt
 from fastckpt.tools.verify import verify_step
@@ -71,6 +73,32 @@ def test_resumes_from_torchtitans_own_checkpoints(tmp_path, uninterrupted, capsy
     assert fastckpt.latest_step(root) == 6
     rc, out, err = call("resume", root, "--json", capsys=capsys)
     assert rc == 0 and json.loads(out)["step"] == 6, (out, err)
+
+
+def test_keep_latest_k_counts_torchtitans_own_steps_of_a_switched_run(tmp_path):
+    """The purge after a save keeps the newest ``keep_latest_k`` steps of both kinds, and
+    removes torchtitan's own older ``step-N`` directories (before 2026-12-06 they stayed for
+    good: retention knew only fastckpt's step names)."""
+    from types import SimpleNamespace
+
+    from fastckpt.storage import open_storage
+    from fastckpt.torchtitan import CheckpointManager
+    root = tmp_path / "checkpoint"
+    for n in (2, 4):
+        (root / f"step-{n}").mkdir(parents=True)
+        (root / f"step-{n}" / ".metadata").write_bytes(b"dcp")
+    fastckpt.save({"w": torch.ones(3)}, str(root), step=6)
+    manager = SimpleNamespace(keep_latest_k=2, _writing=set())
+    purge = CheckpointManager._purge_legacy
+    purge(manager, open_storage(str(root)))
+    assert sorted(os.listdir(root)) == ["latest", "step-0000000006", "step-4"]
+    manager._writing = {4}  # (an upload of it in flight: kept)
+    fastckpt.save({"w": torch.ones(3)}, str(root), step=8)
+    purge(manager, open_storage(str(root)))
+    assert sorted(os.listdir(root)) == ["latest", "step-0000000006", "step-0000000008", "step-4"]
+    manager._writing = set()
+    purge(manager, open_storage(str(root)))
+    assert sorted(os.listdir(root)) == ["latest", "step-0000000006", "step-0000000008"]
 
 
 def test_a_crash_mid_save_leaves_the_previous_step(tmp_path, uninterrupted):
