@@ -11,6 +11,7 @@ measures it).
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -255,6 +256,74 @@ def test_failed_device_copy_keeps_last_checkpoint(root, sim):
     _equal(out, _state(1))
     assert fastckpt.load(out, root) == 3
     _equal(out, _state(3))
+
+
+def test_a_sticky_device_error_fails_the_save_without_a_hang(root, sim, monkeypatch):
+    """A device-side fault is sticky: every later CUDA call fails. Before 2026-12-06 (a) the
+    stager's abort raised before the writer heard of the failure, so the next save waited
+    for good; (b) with a capped pool the writer's failed event wait kept the piece's buffer,
+    and the training thread waited for a buffer for good."""
+    import threading
+    cuda = sim()
+    broken = {"on": False}
+    real_copy, real_record, real_sync = cuda.copy_async, cuda.record, cuda.synchronize
+
+    def copy_async(dst, src, stream):
+        if broken["on"] and cuda.copies >= 1:
+            broken["sticky"] = True
+            raise RuntimeError("CUDA error: an illegal memory access (simulated)")
+        return real_copy(dst, src, stream)
+
+    def sticky(real):
+        def call(*a):
+            if broken.get("sticky"):
+                raise RuntimeError("CUDA error: an illegal memory access (simulated, sticky)")
+            return real(*a)
+        return call
+    monkeypatch.setattr(cuda, "copy_async", copy_async)
+    monkeypatch.setattr(cuda, "record", sticky(real_record))
+    monkeypatch.setattr(cuda, "synchronize", sticky(real_sync))
+    with fastckpt.Checkpointer(root) as ck:
+        broken["on"] = True
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            ck.save(_state(1), step=1)
+        broken.clear()
+        done, got = threading.Event(), {}
+
+        def next_save():
+            try:  # the failure of save 1, not yet observed, is raised here, then save 2 goes
+                ck.save({"c": torch.arange(10)}, step=2, block=True)
+            except fastckpt.FastCkptError as e:
+                got["first"] = e
+                ck.save({"c": torch.arange(10)}, step=2, block=True)
+            done.set()
+        threading.Thread(target=next_save, daemon=True).start()
+        assert done.wait(30), "the next save waited for the failed one for good"
+        assert ck.steps() == [2]
+
+    # (b) a capped pool: the writer's wait for the copies of a piece fails
+    root2 = os.path.join(root, "capped")
+    cuda2 = sim()
+    real_sync2 = cuda2.synchronize
+
+    def sync_fails_in_the_writer(ev):
+        if threading.current_thread().name.startswith("fastckpt"):
+            raise RuntimeError("CUDA error: an illegal memory access (simulated)")
+        return real_sync2(ev)
+    monkeypatch.setattr(cuda2, "synchronize", sync_fails_in_the_writer)
+    out: dict = {}
+
+    def capped():
+        try:
+            with fastckpt.Checkpointer(root2, staging_cap_bytes=2 << 20) as ck:
+                ck.save(_state(1), step=1).wait(30)
+        except BaseException as e:  # noqa: BLE001
+            out["err"] = e
+    t = threading.Thread(target=capped, daemon=True)
+    t.start()
+    t.join(40)
+    assert not t.is_alive(), "the capped save waited for a buffer for good"
+    assert "illegal memory access" in str(out.get("err"))
 
 
 def test_cuda_stage_option_is_checked():

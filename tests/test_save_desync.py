@@ -312,3 +312,45 @@ def test_a_manifest_write_whose_outcome_cannot_be_read_keeps_every_file(root, un
     assert fastckpt.load(got, root) == 1 and torch.equal(got["w"], torch.zeros(1000))
     ck.save({"w": torch.ones(1000)}, step=3, block=True)
     ck.close()
+
+
+def _blocking_staging_fails_on_one_rank(rank: int, world: int, root: str, compression):
+    import fastckpt.engine.core as core
+    real = core.gather_piece
+
+    def gather(piece, data, io):  # (zero-copy: the edge pages' copy of rank 1 fails)
+        if armed["on"]:
+            raise MemoryError("injected staging failure")
+        return real(piece, data, io)
+    armed = {"on": False}
+    core.gather_piece = gather
+    ck = fastckpt.Checkpointer(root, plan_timeout_s=15, commit_timeout_s=20,
+                               compression=compression)
+    if compression:  # (a staged save: its copy into the pool fails)
+        real_stage = core.stage_piece
+
+        def stage(*a, **kw):
+            if armed["on"]:
+                raise MemoryError("injected staging failure")
+            return real_stage(*a, **kw)
+        core.stage_piece = stage
+    ck.save(_state(rank), step=1, block=True)
+    armed["on"] = rank == 1
+    try:
+        ck.save(_state(rank), step=2, block=True)
+        second = "ok"
+    except (fastckpt.FastCkptError, MemoryError) as e:
+        second = type(e).__name__
+    armed["on"] = False
+    t0 = time.monotonic()
+    ck.save(_state(rank), step=3, block=True)  # before 2026-12-06: rank 1 raised step 2's
+    took = time.monotonic() - t0               # failure again alone, rank 0 timed out
+    ck.close()
+    return second, took < 10
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_blocking_save_that_failed_on_one_rank_is_not_raised_again(root, compression):
+    out = distributed.run(_blocking_staging_fails_on_one_rank, 2, root, compression)
+    assert out == [("SaveFailedError", True), ("MemoryError", True)], out
+    assert fastckpt.steps(root) == [1, 3]

@@ -260,3 +260,78 @@ def test_copy_threads_option():
     for bad in (0, 65, True, 2.0):
         with pytest.raises(ValueError, match="copy_threads"):
             CheckpointOptions(copy_threads=bad)
+
+
+# ------------------------------------------------------- interrupted and failed staging
+
+class _SlowDisk:
+    """A local root whose shard writes start ``delay`` seconds late (a slow disk)."""
+
+    @staticmethod
+    def open(root: str, delay: float):
+        import time
+        from fastckpt.storage.local import LocalStorage
+        from fastckpt.testing.faults import FaultyStorage
+
+        class Slow(FaultyStorage):
+            def write_gathered(self, *a, **kw):
+                time.sleep(self._shared.get("delay", 0.0))
+                return super().write_gathered(*a, **kw)
+        st = Slow(LocalStorage(root))
+        st._shared["delay"] = delay
+        return st
+
+
+class _Interrupt(BaseException):
+    """What a signal handler raises (KeyboardInterrupt, SystemExit)."""
+
+
+def test_an_interrupted_blocking_save_commits_nothing(tmp_path):
+    """A blocking zero-copy save writes from the tensors' memory; interrupted while it waits,
+    it must not commit (the caller goes on and changes the tensors) and must not return while
+    a write still reads them. Before 2026-12-06 it committed a step holding the caller's
+    later bytes, whose checksums failed, and keep_last=1 had removed the good step."""
+    import signal
+    import threading
+    root = str(tmp_path / "r")
+    st = _SlowDisk.open(root, 0.0)
+    w = torch.full((1 << 20,), 1.0)
+    ck = fastckpt.Checkpointer(st, keep_last=1)
+    ck.save({"w": w}, step=0, block=True)
+    st._shared["delay"] = 1.0
+
+    def interrupt(*_):
+        raise _Interrupt()
+    old = signal.signal(signal.SIGUSR2, interrupt)
+    try:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR2)).start()
+        with pytest.raises(_Interrupt):
+            ck.save({"w": w}, step=1, block=True)
+    finally:
+        signal.signal(signal.SIGUSR2, old)
+    w.fill_(2.0)  # the caller goes on
+    ck.close()  # (the interrupt was the call's outcome: not raised again)
+    assert fastckpt.steps(root) == [0]
+    out = {"w": torch.zeros(1 << 20)}
+    assert fastckpt.load(out, root) == 0 and bool((out["w"] == 1.0).all())
+
+
+def test_a_failed_pool_allocation_does_not_break_later_saves(root, monkeypatch):
+    # before 2026-12-06 the pool kept a None where the buffer was, and every later save of
+    # the Checkpointer raised TypeError
+    with fastckpt.Checkpointer(root) as ck:
+        ck.save({"w": torch.ones(1000)}, step=1).wait()
+        real = StagingPool._new
+        fail = {"n": 1}
+
+        def new(self, n):
+            if fail["n"]:
+                fail["n"] -= 1
+                raise MemoryError("injected: no memory for the staging buffer")
+            return real(self, n)
+        monkeypatch.setattr(StagingPool, "_new", new)
+        with pytest.raises(MemoryError):
+            ck.save({"w": torch.ones(1 << 20)}, step=2)
+        for step in (3, 4):
+            ck.save({"w": torch.full((1 << 20,), float(step))}, step=step).wait()
+    assert fastckpt.steps(root) == [1, 3, 4]

@@ -59,8 +59,8 @@ from .claim import raise_setup_errors, setup_failures
 from .plan import PlanExchange, local_chunks
 from .compress import Compression
 from .tiering import Tier, _skipped
-from .staging import (StagingPool, copy_all, copy_threads, first_piece_bytes, gather_piece,
-                      piece_bytes, split, stage_piece)
+from .staging import (StagingPool, copy_all, copy_threads, gather_piece, shard_pieces,
+                      stage_piece)
 from .state import flatten
 from .writer import Job, Writer
 
@@ -278,7 +278,8 @@ class Engine:
         # a compressing save encodes the staged bytes)
         zero_copy = (block and self.options.zero_copy and self.storage.gathered_writes
                      and stager is None and not compress)
-        plan = self._split(plan, data, zero_copy)
+        plan = shard_pieces(plan, data, zero_copy, self.options.staging_cap_bytes,
+                            self._pool)
         if not zero_copy:
             self._pool.prepare([p.size for p in plan.pieces], self.options.staging_cap_bytes,
                                pinner=stager)
@@ -300,9 +301,15 @@ class Engine:
         self._writer.submit(job)  # the writer starts on each piece as soon as it is staged
         t1 = time.perf_counter()
         handle.timings["plan_s"] = t1 - t0
-        if zero_copy:
-            return self._write_from_memory(job, data, deadline)
-        self._stage(job, data, stager)
+        try:
+            if zero_copy:
+                return self._write_from_memory(job, data, deadline)
+            self._stage(job, data, stager)
+        except BaseException as e:  # (an interrupt too: the writer must not wait for pieces)
+            job.pieces.put((None, e, None, None))  # (a second one is never read)
+            if block:  # raised here: the next save must not raise it again on this rank
+                handle._reported = True  # alone (its peers observed it in their wait())
+            raise
         handle.timings["stage_s"] = time.perf_counter() - t1
         handle._staged.set()
         if block:
@@ -416,22 +423,6 @@ class Engine:
         raise_setup_errors(failures, error)
         self._claimed = True
 
-    def _split(self, plan: Any, data: dict, zero_copy: bool) -> Any:
-        """The rank's shard files: zero-copy ones place each large contiguous CPU chunk in phase
-        with its memory; pooled ones fit the pool (a capped pool streams a small first piece)."""
-        cap = self.options.staging_cap_bytes
-        total = sum(c.nbytes for c in plan.my_chunks)
-        if zero_copy:
-            phase = {k: t.data_ptr() % fmt.ALIGN for k, t in data.items()
-                     if t.device.type == "cpu" and t.is_contiguous()
-                     and t.nbytes >= fmt.SMALL_CHUNK}
-            pieces = split(plan.my_chunks, piece_bytes(total, None), phase=phase)
-        else:
-            limit = piece_bytes(total, cap)
-            pieces = split(plan.my_chunks, limit, first=first_piece_bytes(limit)
-                           if self._pool.will_cap(total, cap) else None)
-        return dataclasses.replace(plan, pieces=tuple(pieces))
-
     def _write_from_memory(self, job: Job, data: dict, deadline: float | None) -> SaveHandle:
         """A zero-copy save: gather each piece (edge pages, small tensors) while the previous
         one is written, then wait for the commit: the tensors are read until the shards are
@@ -444,7 +435,13 @@ class Engine:
             job.pieces.put((None, e, None, None))  # the writer fails this save on every rank
             raise
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if handle._done.wait(left):
+        try:
+            done = handle._done.wait(left)
+        except BaseException:  # (Ctrl-C): the writes read the tensors the caller gets back;
+            job.cancel.set()  # nothing of this save may commit, and no write may go on
+            handle._done.wait(2 * self.options.commit_timeout_s + 5)  # (each one bounded)
+            raise
+        if done:
             handle._staged.set()
             handle.wait()  # raises its failure
         return handle
@@ -461,7 +458,8 @@ class Engine:
             if stager is not None:
                 stager.begin_save()
             for piece in job.plan.pieces:
-                buf = self._pool.acquire(piece.index)  # capped pool: waits for the writer
+                # (capped pool: waits for the writer, or until the save failed there)
+                buf = self._pool.acquire(piece.index, job.handle._done)
                 hashes = stage_piece(piece, buf, data, io, stager, copies)
                 # device chunks are still being copied: the writer waits for `ready`
                 ready = stager.end_piece() if stager is not None else None
@@ -476,9 +474,12 @@ class Engine:
             if stager is not None:  # the caller's later kernels run after the copies
                 stager.end_save()
         except BaseException as e:
-            if stager is not None:  # no copy may still write a buffer the pool hands out
-                stager.abort()
             job.pieces.put((None, e, None, None))  # the writer fails this save on every rank
+            if stager is not None:  # no copy may still write a buffer the pool hands out
+                try:
+                    stager.abort()
+                except Exception as x:  # noqa: BLE001 - (a sticky device error) the first
+                    log.error("fastckpt: aborting the device copies failed too: %s", x)
             raise
 
     def _device_stager(self, data: dict) -> _device.DeviceStager | None:

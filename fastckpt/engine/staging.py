@@ -20,11 +20,14 @@ Thread-safety: ``StagingPool`` is used by one training thread (acquire) and one 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import queue
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from ..errors import FastCkptError
 from ..manifest import schema as fmt
 from ..storage.pyio import _address, aligned_buffer
 
@@ -182,9 +185,12 @@ class StagingPool:
                 if i >= len(bufs):
                     bufs.append(self._new(want))
                 elif len(bufs[i]) < want:
-                    self._drop([bufs[i]])
-                    bufs[i] = None  # type: ignore[call-overload]  # free before allocating
-                    bufs[i] = self._new(want)
+                    # free it before allocating; a failed allocation leaves no hole behind
+                    # (before 2026-12-06 a None stayed, and every later save raised TypeError)
+                    rest = bufs[i:]
+                    del bufs[i:]
+                    self._drop(rest)
+                    bufs.append(self._new(want))
             extra = bufs[len(sizes):]
             del bufs[len(sizes):]
             self._drop(extra)
@@ -200,15 +206,40 @@ class StagingPool:
         for b in self._shared:
             self._free.put(b)
 
-    def acquire(self, index: int) -> memoryview:
-        """The buffer for piece ``index``; in capped mode, waits for one to be released."""
+    def acquire(self, index: int, failed: Any = None) -> memoryview:
+        """The buffer for piece ``index``; in capped mode, waits for one to be released, or
+        until ``failed`` (a ``threading.Event``: the save is over) is set: then raises."""
         if not self.capped:
             return self._dedicated[index]
-        return self._free.get()
+        while True:
+            try:
+                return self._free.get(timeout=0.1)
+            except queue.Empty:
+                if failed is not None and failed.is_set():
+                    raise FastCkptError("the save ended (failed in the writer) while staging "
+                                        "waited for a buffer") from None
 
     def release(self, buf) -> None:
         if self.capped and isinstance(buf, memoryview):  # not a zero-copy save's Gathered
             self._free.put(buf)
+
+
+def shard_pieces(plan: Any, data: dict, zero_copy: bool, cap: int | None,
+                 pool: "StagingPool") -> Any:
+    """(training thread) ``plan`` with the rank's shard files: zero-copy ones place each large
+    contiguous CPU chunk in phase with its memory; pooled ones fit the pool (a capped pool
+    streams a small first piece)."""
+    total = sum(c.nbytes for c in plan.my_chunks)
+    if zero_copy:
+        phase = {k: t.data_ptr() % fmt.ALIGN for k, t in data.items()
+                 if t.device.type == "cpu" and t.is_contiguous()
+                 and t.nbytes >= fmt.SMALL_CHUNK}
+        pieces = split(plan.my_chunks, piece_bytes(total, None), phase=phase)
+    else:
+        limit = piece_bytes(total, cap)
+        pieces = split(plan.my_chunks, limit, first=first_piece_bytes(limit)
+                       if pool.will_cap(total, cap) else None)
+    return dataclasses.replace(plan, pieces=tuple(pieces))
 
 
 def stage_piece(piece: Piece, buf: memoryview, data: dict, io=None,

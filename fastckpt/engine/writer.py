@@ -179,8 +179,9 @@ class Writer:
                         raise FastCkptError(f"staging failed: {buf}") from buf
                     if job.cancel.is_set():
                         self._release(buf, ready)
-                        raise FastCkptError(f"save of step {plan.step} was superseded by a "
-                                            "newer save (preemption); nothing was committed")
+                        raise FastCkptError(f"save of step {plan.step} was cancelled (superseded "
+                                            "by a newer save, or its call was interrupted); "
+                                            "nothing was committed")
                     while len(pending) >= streams or (pending and pending[0].done()):
                         files.append(pending.popleft().result())  # raises a write's error
                     pending.append(ex.submit(self._write_piece, st, d, plan, piece, buf,
@@ -224,8 +225,9 @@ class Writer:
             local_exc = e
             result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         if local_exc is None and job.cancel.is_set():
-            local_exc = FastCkptError(f"save of step {plan.step} was superseded by a newer save "
-                                      "(preemption); nothing was committed")
+            local_exc = FastCkptError(f"save of step {plan.step} was cancelled (superseded by a "
+                                      "newer save, or its call was interrupted); nothing was "
+                                      "committed")
             result = {"ok": False, "error": str(local_exc)}
         t1 = time.perf_counter()
         deadline = time.monotonic() + self.options.commit_timeout_s
@@ -300,9 +302,15 @@ class Writer:
                         self.rank, e)
 
     def _release(self, buf: Any, ready: Any) -> None:
-        """(background) Give an unwritten piece's buffer back once no copy still fills it."""
-        if ready is not None:
-            ready.wait()
+        """(background) Give an unwritten piece's buffer back once no copy still fills it;
+        never raises (a failed device wait still gives it back: the drain of a failed save
+        must go on, or a capped pool leaves the training thread waiting)."""
+        try:
+            if ready is not None:
+                ready.wait()
+        except Exception as e:  # noqa: BLE001 - (a sticky device error) the save fails anyway
+            log.error("fastckpt: rank %d: waiting for a piece's device copies failed: %s",
+                      self.rank, e)
         self.pool.release(buf)
 
     def _write_piece(self, st: Storage, d: str, plan: SavePlan, piece: Any, buf: memoryview,
@@ -315,7 +323,11 @@ class Writer:
         whole-file checksum: every byte of a shard is a chunk (checksummed) or alignment padding
         (zero), which is what ``verify`` checks."""
         if ready is not None:
-            ready.wait()
+            try:
+                ready.wait()
+            except BaseException:
+                self.pool.release(buf)  # (a failed device wait: the buffer goes back)
+                raise
         name = fmt.shard_name(self.rank, plan.save_id, piece.index)
         path = f"{d}/{name}"
         gathered = isinstance(buf, Gathered)
