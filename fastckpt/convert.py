@@ -487,6 +487,10 @@ def convert(src: str | os.PathLike, root: str | os.PathLike | Storage, *,
         raise NotConvertibleError(f"ROOT {storage.root} is SRC or inside it: give another "
                                   "directory (SRC is never written)")
     d = storage.join(fmt.step_dirname(step))
+    if storage.is_local and (os.path.realpath(d) == s or s.startswith(
+            os.path.realpath(d).rstrip("/") + "/")):  # (before 2026-12-06: written into SRC)
+        raise NotConvertibleError(f"SRC is step {step}'s directory under ROOT {storage.root} "
+                                  "(or inside it): give another ROOT (SRC is never written)")
     try:
         old = read_manifest(storage, d, step=step, chunks=False)
     except CorruptCheckpointError as e:

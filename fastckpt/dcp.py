@@ -57,9 +57,9 @@ from .engine.dtypes import dtype_name
 from .engine.plan import ChunkSpec
 from .engine.reader import FastCkptReader
 from .engine.staging import gather_piece, piece_bytes, split, stage_piece
-from .errors import FastCkptError, UnsupportedStateError
+from .errors import CorruptCheckpointError, FastCkptError, UnsupportedStateError
 from .manifest import schema as fmt
-from .manifest.discovery import marker_doc, marker_name
+from .manifest.discovery import marker_doc, marker_name, read_manifest
 from .manifest.values import encode_value
 from .options import CheckpointOptions, options_from_env
 from .storage import Storage, open_storage
@@ -77,6 +77,11 @@ def split_checkpoint_id(checkpoint_id: str | os.PathLike) -> tuple[str, int | No
     return (m.group(1) or "/", int(m.group(2))) if m else (text, None)
 
 
+#: the options the DCP path reads (DCP plans and stages: no compression, retention, pool)
+_WRITER_OPTIONS = frozenset({"native", "direct_io", "commit_timeout_s", "remote_part_bytes",
+                             "remote_concurrency", "remote_max_attempts", "conditional_put"})
+
+
 class Writer(StorageWriter):
     """A DCP ``StorageWriter`` that writes a fastckpt checkpoint (see the module docstring).
     One instance per ``dcp.save``/``async_save`` call at a time."""
@@ -85,6 +90,10 @@ class Writer(StorageWriter):
                  storage_options: dict | None = None, **option_overrides: Any) -> None:
         super().__init__()
         self.options: CheckpointOptions = options_from_env(CheckpointOptions())
+        unused = sorted(set(option_overrides) - _WRITER_OPTIONS)
+        if unused:  # (before 2026-12-06 accepted and ignored: compression, keep_last, ...)
+            raise ValueError(f"fastckpt.dcp.Writer does not use {', '.join(unused)} (it "
+                             f"takes {', '.join(sorted(_WRITER_OPTIONS))}); a Checkpointer does")
         if option_overrides:
             self.options = self.options.with_changes(**option_overrides)
         self._root = None if root is None else str(root)
@@ -92,6 +101,7 @@ class Writer(StorageWriter):
         self._storage_options = storage_options
         self.storage: Storage | None = None
         self.is_coordinator = False
+        self._rank = 0
         self._save_id = ""
 
     # -- DCP interface -------------------------------------------------------------------------
@@ -112,7 +122,15 @@ class Writer(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self.storage is None:
             self.reset()
+        if kwargs.get("use_collectives") is False:
+            raise UnsupportedStateError(
+                "fastckpt.dcp.Writer needs use_collectives=True: one manifest holds every "
+                "rank's chunks, written by the coordinator once every rank has written")
         self.is_coordinator = is_coordinator
+        # the rank within the save's group (0 under no_dist, the group's own under a
+        # subgroup): the manifest numbers the ranks of the save (before 2026-12-06 the global
+        # rank: a subgroup's or a no_dist save on rank 1 was refused as "invalid manifest")
+        self._rank = kwargs.get("rank", _dist.rank())
         self._save_id = uuid.uuid4().hex[:12]
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -166,10 +184,22 @@ class Writer(StorageWriter):
         data = fmt.encode_manifest(body)
         fmt.decode_manifest(data, file=f"{d}/{fmt.MANIFEST}", step=self._step)  # as a reader
         st = self.storage.bounded(time.monotonic() + self.options.commit_timeout_s)
+        # the files of the save this one replaces (another save of this step, running now,
+        # keeps its own: before 2026-12-06 every name not in this manifest was removed, and
+        # a save of the same step committing after it named missing files)
+        try:
+            old = read_manifest(st, d, step=self._step, chunks=False) or {}
+        except CorruptCheckpointError:
+            old = {}
+        replaced = set(old.get("files", {})) | {i.get("file") for i in old.get("indexes", [])}
+        missing = sorted(set(files) - set(st.listdir(d)))
+        if missing:  # (removed by another writer meanwhile: nothing is committed)
+            raise CorruptCheckpointError(
+                f"step {self._step}: {len(missing)} shard file(s) of this save are gone before "
+                f"the commit ({', '.join(missing[:4])}); another writer of this root?", file=d)
         st.publish_manifest(f"{d}/{fmt.MANIFEST}", data)
-        for n in st.listdir(d):  # this save's marker; an earlier save of this step, replaced
-            if n != fmt.MANIFEST and n not in files:
-                st.remove(f"{d}/{n}")
+        for n in (replaced - set(files)) | {marker_name(self._save_id)}:
+            st.remove(f"{d}/{n}")
 
     # -- helpers -------------------------------------------------------------------------------
     def _step_dir(self) -> str:
@@ -179,7 +209,7 @@ class Writer(StorageWriter):
     def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         """(all ranks) This rank's items into its shard files; a WriteResult per item."""
         assert self.storage is not None
-        rank = _dist.rank()
+        rank = self._rank
         d = self._step_dir()
         st = self.storage.bounded(time.monotonic() + self.options.commit_timeout_s)
         st.makedirs(d)
@@ -207,11 +237,18 @@ class Writer(StorageWriter):
                     "value": encode_value(value, (fqn,))}))
                 continue
             t = planner.resolve_data(item).detach()
+            chunk = item.tensor_data.chunk
+            if tuple(t.shape) != tuple(chunk.sizes):
+                raise UnsupportedStateError(
+                    f"the planner resolved a tensor of shape {list(t.shape)} for a chunk of "
+                    f"{list(chunk.sizes)}", key=fqn)
+            want = item.tensor_data.properties.dtype
+            if t.dtype != want:  # (a planner that casts: stored as the metadata's dtype, the
+                t = t.to(want)   # value dcp.load gives; its bytes were taken for want's)
             if t.is_conj() or t.is_neg():
                 t = t.resolve_conj().resolve_neg()
             if t.device.type != "cpu":
                 t = t.to("cpu")
-            chunk = item.tensor_data.chunk
             key = (fqn, tuple(chunk.offsets))
             specs.append(ChunkSpec(fqn, dtype_name(t.dtype), tuple(item.tensor_data.size),
                                    tuple(chunk.offsets), tuple(chunk.sizes),
@@ -259,30 +296,37 @@ def _holds_tensor(x: Any) -> bool:
     return False
 
 
+class _Node(dict):
+    """A container ``_nest`` built from DCP's key paths (a plain value is never one)."""
+
+
 def _nest(mappings: Any, tensors: dict, plain: dict) -> Any:
     """The skeleton of the state DCP flattened: every key path of ``mappings`` (flat key ->
-    the path of keys and indices it came from) holds a tensor reference or a plain value;
-    containers whose keys are 0..n-1 were lists (DCP's own unflattening makes the same
-    choice: a dict keyed 0..n-1 comes back as a list)."""
-    root: dict = {}
+    the path of keys and indices it came from) holds a tensor reference or a plain value
+    (already encoded); containers whose keys are 0..n-1 were lists (DCP's own unflattening
+    makes the same choice: a dict keyed 0..n-1 comes back as a list), and a container with a
+    key that is not a string, or starts with ``$``, is encoded as ``encode_value`` does
+    (before 2026-12-06 a user's ``{"$tensor": ...}`` came back as a tensor reference)."""
+    root = _Node()
     flat = {**{k: {"$tensor": k} for k in tensors}, **plain}
     for key, value in flat.items():
         path = tuple(mappings[key]) if mappings and key in mappings else (key,)
         node = root
         for p in path[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
+            node = node.setdefault(p, _Node())
+            if not isinstance(node, _Node):
                 raise FastCkptError(f"key {key!r}: a value and a container at one key path")
+        if isinstance(node.get(path[-1]), _Node):
+            raise FastCkptError(f"key {key!r}: a value and a container at one key path")
         node[path[-1]] = value
 
     def finish(x: Any) -> Any:
-        if not isinstance(x, dict) or "$tensor" in x or any(
-                isinstance(k, str) and k.startswith("$") for k in x):
+        if not isinstance(x, _Node):
             return x
         out = {k: finish(v) for k, v in x.items()}
         if out and all(isinstance(k, int) for k in out) and sorted(out) == list(range(len(out))):
             return [out[i] for i in range(len(out))]
-        if all(isinstance(k, str) for k in out):
+        if all(isinstance(k, str) and not k.startswith("$") for k in out):
             return out
         return {"$dict": [[encode_value(k, ()), v] for k, v in out.items()]}
     return finish(root)

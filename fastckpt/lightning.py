@@ -425,7 +425,7 @@ class ModelParallelStrategy(_ModelParallelStrategy):
                         storage_options: Any | None = None) -> None:
         import torch.distributed.checkpoint as dcp
 
-        from .dcp import Writer
+        from .dcp import _WRITER_OPTIONS, Writer
         if storage_options is not None:
             raise TypeError("fastckpt.lightning.ModelParallelStrategy takes no storage_options")
         fio = self._fio()
@@ -445,8 +445,10 @@ class ModelParallelStrategy(_ModelParallelStrategy):
         except (FastCkptError, TypeError, ValueError, KeyError) as e:
             error = e
         self._agree_or_raise(error, fio, f"save of {root}")
+        # (the DCP path plans and stages itself: only the Writer's options go along)
+        kept = {k: v for k, v in fio._overrides.items() if k in _WRITER_OPTIONS}
         dcp.save(state, storage_writer=Writer(root, step=step, storage_options=fio.storage_options,
-                                              **fio._overrides))
+                                              **kept))
         if self.global_rank == 0:
             retire_others(fio._open(root), step)
 

@@ -390,3 +390,15 @@ def test_cli_convert_json_refuses_overwrite_and_force_replaces(tmp_path, capsys)
     torch.save({"obj": _Evil(str(tmp_path / "pwned"))}, str(tmp_path / "evil.pt"))
     rc, _, err = call("convert", str(tmp_path / "evil.pt"), str(tmp_path / "c2"), capsys=capsys)
     assert rc == 1 and "nothing was committed" in err and not os.path.exists(tmp_path / "pwned")
+
+
+def test_src_that_is_the_steps_directory_under_root_is_refused(tmp_path):
+    # a DCP checkpoint at ROOT/step-0000000005: converting it "to ROOT step 5" wrote into SRC
+    # (before 2026-12-06), which "is only read"
+    root = tmp_path / "run"
+    src = root / fmt.step_dirname(5)
+    _dcp_save({"w": torch.ones(4)}, str(src))
+    before = _hashes(str(src))
+    with pytest.raises(conv.NotConvertibleError, match="SRC is step 5's directory"):
+        conv.convert(str(src), str(root))
+    assert _hashes(str(src)) == before

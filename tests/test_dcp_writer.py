@@ -170,3 +170,105 @@ def test_a_tensor_inside_a_tuple_is_named(root):
     err = ei.value.failures[0][0]
     assert isinstance(err, UnsupportedStateError)
     assert "tensor inside a tuple" in str(err) and "pair" in str(err)
+
+
+# ------------------------------------------------ the review of 2026-12-06 (DCP path)
+
+def test_a_planner_that_casts_is_stored_as_dcp_load_would_give_it(tmp_path):
+    # before 2026-12-06 a same-size cast (fp16 -> bf16) was stored under the metadata's
+    # dtype: its bytes reinterpreted, silently
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    class SaveAs(DefaultSavePlanner):
+        def resolve_data(self, item):
+            t = super().resolve_data(item)
+            return t.to(torch.bfloat16) if isinstance(t, torch.Tensor) else t
+    w = torch.tensor([1.0, 2.5, -3.0, 1000.0], dtype=torch.float16)
+    dcp.save({"w": w.clone()}, checkpoint_id=str(tmp_path / "dcp"), planner=SaveAs())
+    ref = {"w": torch.zeros(4, dtype=torch.float16)}
+    dcp.load(ref, checkpoint_id=str(tmp_path / "dcp"))
+    root = str(tmp_path / "fc")
+    dcp.save({"w": w.clone()}, storage_writer=fastckpt.dcp.Writer(root, step=1),
+             planner=SaveAs())
+    got = {"w": torch.zeros(4, dtype=torch.float16)}
+    dcp.load(got, storage_reader=fastckpt.dcp.Reader(root))
+    assert torch.equal(got["w"], ref["w"]) and torch.equal(fastckpt.read(root)["w"], ref["w"])
+
+
+def test_a_save_of_a_step_leaves_another_saves_files_of_that_step(tmp_path):
+    # save B of step 5 commits while save A of step 5 is between its writes and its commit:
+    # before 2026-12-06 A removed every file its manifest did not name (B's, and any other
+    # save's in flight) and the step named missing files when B committed after it
+    root = str(tmp_path)
+    a = fastckpt.dcp.Writer(root, step=5)
+    finish = a.finish
+
+    def b_inside(metadata, results):
+        dcp.save({"w": torch.full((8,), 2.0)}, storage_writer=fastckpt.dcp.Writer(root, step=5))
+        finish(metadata, results)
+    a.finish = b_inside
+    dcp.save({"w": torch.full((8,), 1.0)}, storage_writer=a)
+    assert torch.equal(fastckpt.read(root)["w"], torch.full((8,), 1.0))  # A replaced B
+    d = os.path.join(root, "step-0000000005")
+    assert sorted(os.listdir(d))[0] == "manifest.json" and len(os.listdir(d)) == 2  # B's gone
+    # and the other order: A commits first, B (inside A's write) after it
+    b = fastckpt.dcp.Writer(root, step=6)
+    write = b.write_data
+
+    def a_inside(plan, planner):
+        dcp.save({"w": torch.full((8,), 3.0)}, storage_writer=fastckpt.dcp.Writer(root, step=6))
+        return write(plan, planner)
+    b.write_data = a_inside
+    dcp.save({"w": torch.full((8,), 4.0)}, storage_writer=b)
+    assert torch.equal(fastckpt.read(root)["w"], torch.full((8,), 4.0))
+    assert verify_step(root, 5, record=False).ok and verify_step(root, 6, record=False).ok
+
+
+@pytest.mark.parametrize("cfg", [{"$tensor": "y"}, {"$tuple": [1, 2]}, {"$lr": 0.1, "b": 2},
+                                 {"$dict": [[1, 2]]}, {"$float": "nan"}])
+def test_user_keys_that_look_like_tags_round_trip(tmp_path, cfg):
+    # before 2026-12-06 the first came back as a tensor reference, the second as a tuple, and
+    # the third failed the save ("malformed tagged value")
+    state = {"y": torch.ones(3), "cfg": cfg}
+    dcp.save(state, storage_writer=fastckpt.dcp.Writer(str(tmp_path), step=1))
+    assert fastckpt.read(str(tmp_path))["cfg"] == cfg
+
+
+def test_writer_options_it_does_not_use_are_refused():
+    with pytest.raises(ValueError, match="does not use compression"):
+        fastckpt.dcp.Writer("/tmp/x", step=1, compression="zstd")
+    fastckpt.dcp.Writer("/tmp/x", step=1, commit_timeout_s=30)  # one it uses
+
+
+def test_use_collectives_false_is_refused_by_name(tmp_path):
+    with pytest.raises(UnsupportedStateError, match="needs use_collectives=True"):
+        dcp.save({"w": torch.ones(2)}, storage_writer=fastckpt.dcp.Writer(str(tmp_path), step=1),
+                 use_collectives=False)
+    assert fastckpt.steps(str(tmp_path)) == []
+
+
+def _rank_local(rank, world, root):
+    # (each rank saves its own checkpoint without the process group: rank 0 of that save)
+    r = os.path.join(root, f"r{rank}")
+    dcp.save({"w": torch.full((4,), float(rank))}, storage_writer=fastckpt.dcp.Writer(r, step=1),
+             no_dist=True)
+    return fastckpt.read(r, collective=False)["w"].tolist()
+
+
+def test_a_rank_local_save_on_rank_1_commits(tmp_path):
+    # before 2026-12-06 rank 1 wrote "rank": 1 into a manifest of one rank: refused
+    assert run(_rank_local, 2, str(tmp_path)) == [[0.0] * 4, [1.0] * 4]
+
+
+def test_dcps_load_everything_helpers_nest_the_state(tmp_path):
+    # the Reader's metadata carries the key paths (planner_data): before 2026-12-06 DCP's
+    # load-everything planner returned flat dotted keys, and keys= raised AttributeError
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    state = {"model": {"w": torch.ones(2, 2), "b": torch.zeros(2)}, "extra": {"step": 3}}
+    dcp.save(state, storage_writer=fastckpt.dcp.Writer(str(tmp_path), step=1))
+    got = _load_state_dict_from_keys(storage_reader=fastckpt.dcp.Reader(str(tmp_path)))
+    assert sorted(got) == ["extra", "model"] and got["extra"] == {"step": 3}
+    assert torch.equal(got["model"]["w"], torch.ones(2, 2))
+    got = _load_state_dict_from_keys(keys={"model"},
+                                     storage_reader=fastckpt.dcp.Reader(str(tmp_path)))
+    assert sorted(got) == ["model"] and sorted(got["model"]) == ["b", "w"]

@@ -101,7 +101,7 @@ class FastCkptReader(StorageReader):
         mpath = f"{self.step_dir}/{fmt.MANIFEST}"
         sd_meta: dict[str, Any] = {}
         storage_data: dict[MetadataIndex, Any] = {}
-        plain, aliases = self._plain_values_and_aliases()
+        plain, aliases, mappings = self._plain_values_and_aliases()
         for fqn, t in self.body["tensors"].items():
             dtype = torch_dtype(t["dtype"], file=mpath)
             mine = t["chunks"]
@@ -120,7 +120,8 @@ class FastCkptReader(StorageReader):
         for fqn, value in plain.items():
             sd_meta[fqn] = BytesStorageMetadata()
             storage_data[MetadataIndex(fqn)] = ("$bytes", value)
-        return Metadata(state_dict_metadata=sd_meta, storage_data=storage_data)
+        return Metadata(state_dict_metadata=sd_meta, storage_data=storage_data,
+                        planner_data=mappings)  # (DCP's load-everything planner nests by it)
 
     def check_per_rank(self) -> None:
         """StateMismatchError when this checkpoint holds values per rank (tensors or plain
@@ -490,7 +491,7 @@ class FastCkptReader(StorageReader):
                                    "(a newer step was committed and retention or gc removed "
                                    "this one)", file=self.step_dir, rank=self.rank)
 
-    def _plain_values_and_aliases(self) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    def _plain_values_and_aliases(self) -> tuple[dict, dict[str, list[str]], dict]:
         """Plain (non-tensor) leaves under DCP's flattened names, for ``dcp.load`` users (this
         rank's when they differ by rank), and stored tensor -> the other keys tied to it."""
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -505,13 +506,13 @@ class FastCkptReader(StorageReader):
             t = torch.empty(0)
             refs[id(t)] = fqn
             return t
-        flat, _ = flatten_state_dict(decode_value(tree, marker))
+        flat, mappings = flatten_state_dict(decode_value(tree, marker))
         plain = {k: v for k, v in flat.items() if id(v) not in refs}
         aliases: dict[str, list[str]] = {}
         for k, v in flat.items():
             if id(v) in refs and refs[id(v)] != k:
                 aliases.setdefault(refs[id(v)], []).append(k)
-        return plain, aliases
+        return plain, aliases, mappings
 
 
 def _native_mode(io_backend: Any) -> str:
