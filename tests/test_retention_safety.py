@@ -79,3 +79,40 @@ def test_gc_keep_does_not_trust_a_step_whose_shards_are_missing(tmp_path, capsys
     assert os.path.isdir(os.path.join(root, fmt.step_dirname(1)))
     got = {"w": torch.zeros(100)}
     assert fastckpt.load(got, root, step=1) == 1
+
+
+def test_gc_keep_does_not_count_a_step_verify_recorded_as_damaged(tmp_path, capsys):
+    # before 2026-12-06 `gc --keep 1` kept the newest step that `verify` had recorded as
+    # FAILED and removed every loadable one
+    root = str(tmp_path)
+    _steps(root, (1, 2, 3))
+    d = os.path.join(root, fmt.step_dirname(3))
+    shard = os.path.join(d, next(n for n in os.listdir(d) if n.endswith(fmt.SHARD_SUFFIX)))
+    with open(shard, "r+b") as f:  # a byte of the data
+        f.seek(os.path.getsize(shard) // 2)
+        b = f.read(1)
+        f.seek(os.path.getsize(shard) // 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    rc, _, _ = call("verify", root, "--all", capsys=capsys)
+    assert rc == 1
+    rc, out, _ = call("gc", root, "--keep", "1", "--yes", "--json", capsys=capsys)
+    assert rc == 0 and json.loads(out)["removed"] == [1], out
+    assert fastckpt.steps(root) == [2, 3]
+    got = {"w": torch.zeros(100)}
+    assert fastckpt.load(got, root, step=2) == 2
+
+
+@pytest.mark.parametrize("when", ['"yesterday"', "[1]", "1e300", "-1e18"])
+def test_a_crafted_creation_time_is_a_damaged_manifest_not_a_crash(tmp_path, capsys, when):
+    root = str(tmp_path)
+    _steps(root, (1, 2))
+    p = os.path.join(root, fmt.step_dirname(2), fmt.MANIFEST)
+    with open(p) as f:
+        doc = json.load(f)
+    doc["body"]["created_unix"] = json.loads(when)
+    with open(p, "wb") as f:
+        f.write(fmt.encode_manifest(doc["body"]))  # (its checksum recomputed: well-formed)
+    for args in (("ls", root), ("ls", root, "--json")):
+        rc, out, err = call(*args, capsys=capsys)
+        assert rc == 0 and "created_unix" in out + err and "Traceback" not in out + err, err
+    assert _loads(root) == 1  # the damaged step is skipped

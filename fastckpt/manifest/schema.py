@@ -260,6 +260,9 @@ def validate_body(body: dict, *, file: str, step: int | None = None,
         raise bad(f"world_size {world!r} is not a positive int")
     if not is_save_id(body["save_id"]):
         raise bad(f"save_id {body['save_id']!r} is not a plain id (letters, digits, _ and -)")
+    t = body.get("created_unix", 0)  # (the tools print it: a crafted one crashed `ls`)
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < 1e11:
+        raise bad(f"created_unix {t!r} is not a time (seconds since 1970)")
     files = body["files"]
     if not isinstance(files, dict):
         raise bad("'files' is not a mapping")

@@ -78,7 +78,9 @@ def plan_gc(root: str | Storage, keep: int | None, *, grace: float = INFLIGHT_GR
     now = time.time() if now is None else now
     recs = describe_steps(storage, grace=grace, now=now, indexes="listed")
     _read_kept(storage, recs, keep or 1, now, grace)
-    eligible = [r for r in recs if r.state in ("committed", "partial")]
+    # (a step `verify` recorded as FAILED is never counted toward --keep, nor removed: before
+    # 2026-12-06 it counted, and `gc --keep 1` kept it and removed the loadable steps)
+    eligible = [r for r in recs if r.state in ("committed", "partial") and not _failed(r)]
     infos = [StepInfo(r.step, r._dir, r.committed, r.inflight_since) for r in eligible]
     # a committed step being saved again (a job that went back to an earlier step)
     resaving = {r.step for r in eligible if r.committed and _busy(r, now, grace)}
@@ -88,6 +90,9 @@ def plan_gc(root: str | Storage, keep: int | None, *, grace: float = INFLIGHT_GR
         if r.step in resaving and not r.latest:
             actions.append(GcAction(r, False, "a new save of this step is in flight (marker "
                                     f"{_age(now, r.inflight_since)} old)"))
+        elif _failed(r):
+            actions.append(GcAction(r, False, "verify recorded it as damaged (FAILED): kept, "
+                                    "not counted toward --keep; inspect it, remove it by hand"))
         elif r.step in doomed and r.state in ("committed", "partial"):
             why = (f"older than the newest {keep} committed step(s)" if r.committed
                    else "abandoned partial save (no manifest, nothing written for "
@@ -117,12 +122,17 @@ def _read_kept(storage: Storage, recs: list[StepRecord], k: int, now: float,
     for i in range(len(recs) - 1, -1, -1):
         if found >= k:
             break
-        if recs[i].committed:
+        if recs[i].committed and not _failed(recs[i]):
             recs[i] = _describe_one(storage, recs[i].step, recs[i]._dir, now, grace)
-            found += recs[i].committed
-    newest = max((r.step for r in recs if r.committed), default=None)
+            found += recs[i].committed and not _failed(recs[i])
+    newest = max((r.step for r in recs if r.committed and not _failed(r)), default=None)
     for r in recs:
         r.latest = r.step == newest
+
+
+def _failed(r: StepRecord) -> bool:
+    """A committed step whose data ``verify`` found damaged (its recorded result)."""
+    return r.committed and r.checksum == "failed"
 
 
 def run_gc(root: str | Storage, actions: list[GcAction], *, grace: float = INFLIGHT_GRACE_S,
