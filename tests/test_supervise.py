@@ -165,3 +165,31 @@ def test_srun_task_gets_torch_variables_and_the_batch_script_does_not(tmp_path):
                         "--", *show], env={**env, **task}, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.split() == ["5", "8"], r.stderr
     assert "from Slurm: RANK=5 WORLD_SIZE=8" in r.stderr
+
+
+@pytest.mark.parametrize("log", ["fifo", "directory", "not_utf8", "unreadable"])
+def test_a_bad_event_log_keeps_the_commands_exit_code(tmp_path, log):
+    """``ROOT/events/rank0.jsonl`` that is a FIFO, a directory, not UTF-8 or unreadable: the
+    supervisor still exits with CMD's code. Before 2026-12-06 the FIFO blocked it for good
+    (SIGTERM ignored), the others turned 143 into 126 or 70 (a job not requeued)."""
+    import stat as st
+    root = tmp_path / "ck"
+    events = root / "events"
+    events.mkdir(parents=True)
+    p = events / "rank0.jsonl"
+    if log == "fifo":
+        os.mkfifo(p)
+    elif log == "directory":
+        p.mkdir()
+    elif log == "not_utf8":
+        p.write_bytes(b'\xff\xfe{"event": "exit", "code": 143, "t": %d}\n' % int(time.time()))
+    else:
+        p.write_text("{}\n")
+        p.chmod(0)
+        if os.access(p, os.R_OK):  # (as root: every file is readable)
+            p.chmod(st.S_IWUSR)
+            pytest.skip("running with CAP_DAC_OVERRIDE: nothing is unreadable")
+    r = subprocess.run([sys.executable, "-m", "fastckpt.cli", "resume", str(root),
+                        "--supervise", "--", "sh", "-c", "exit 143"],
+                       env=_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 143, r.stderr[-2000:]

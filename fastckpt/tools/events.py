@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import stat
+
+#: how much of a rank's log is read (its end): the last run's events are there
+TAIL_BYTES = 16 << 20
 
 
 def last_exits(events_dir: str, *, since: float | None = None) -> list[dict]:
@@ -13,25 +17,24 @@ def last_exits(events_dir: str, *, since: float | None = None) -> list[dict]:
     out = []
     try:
         names = sorted(os.listdir(events_dir))
-    except (FileNotFoundError, NotADirectoryError):
+    except OSError:  # (absent, not a directory, unreadable)
         return []
     for name in names:
         if not (name.startswith("rank") and name.endswith(".jsonl")):
             continue
         last = None
-        with open(os.path.join(events_dir, name)) as f:
-            for line in f:
-                try:
-                    e = json.loads(line)
-                except ValueError:
-                    continue
-                if not isinstance(e, dict) or (since is not None and not (
-                        isinstance(e.get("t"), (int, float)) and e["t"] >= since)):
-                    continue
-                if e.get("event") == "armed":
-                    last = None  # a newer run of the job starts here
-                elif e.get("event") == "exit" and isinstance(e.get("code"), int):
-                    last = e
+        for line in _tail_lines(os.path.join(events_dir, name)):
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(e, dict) or (since is not None and not (
+                    isinstance(e.get("t"), (int, float)) and e["t"] >= since)):
+                continue
+            if e.get("event") == "armed":
+                last = None  # a newer run of the job starts here
+            elif e.get("event") == "exit" and isinstance(e.get("code"), int):
+                last = e
         if last is not None:
             out.append(last)
     return out
@@ -45,3 +48,26 @@ def job_exit_code(events_dir: str, *, since: float | None = None) -> int | None:
     ``torchrun ...; exit $(python -m fastckpt.preempt ROOT/events $?)``."""
     codes = [int(e["code"]) for e in last_exits(events_dir, since=since)]
     return max(codes) if codes else None
+
+
+def _tail_lines(path: str) -> list[str]:
+    """The lines of the end of a rank's log; [] for anything but a readable regular file (a
+    FIFO blocked the supervisor's open for good, a directory or an unreadable file lost the
+    job's exit code before 2026-12-06). Bytes that are not UTF-8 are replaced."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return []
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return []
+        start = max(0, info.st_size - TAIL_BYTES)
+        data = os.pread(fd, info.st_size - start, start)
+    except OSError:
+        return []
+    finally:
+        os.close(fd)
+    lines = data.decode("utf-8", "replace").splitlines()
+    return lines[1:] if start else lines  # (the first one cut)
+
