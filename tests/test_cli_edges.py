@@ -87,3 +87,42 @@ def test_inspect_and_verify_word_a_missing_step_alike(saved, capsys):
     rc1, _, err1 = call("inspect", saved, "--step", "7", capsys=capsys)
     rc2, _, err2 = call("verify", saved, "--step", "7", capsys=capsys)
     assert rc1 == rc2 == 3 and err1 == err2 and "step 7 has no committed checkpoint" in err1
+
+
+def _verify_through(root, wrap):
+    from fastckpt.storage.local import LocalStorage
+    from fastckpt.testing.faults import FaultyStorage
+    from fastckpt.tools.verify import verify_step
+
+    class Hooked(FaultyStorage):
+        def read_into(self, path, *a, **kw):
+            wrap(self.inner, path)
+            return super().read_into(path, *a, **kw)
+    return verify_step(Hooked(LocalStorage(root)), record=True)
+
+
+def test_verify_of_a_step_that_cannot_be_read_is_a_storage_error_not_damage(tmp_path):
+    # before 2026-12-06 an unreadable shard (EACCES, EIO, a store timeout) was reported as
+    # damage and recorded: `ls` showed FAILED, `resume --verify` refused a sound step
+    root = str(tmp_path)
+    fastckpt.save({"w": torch.ones(1000)}, root, step=1)
+
+    def fail(inner, path):
+        raise fastckpt.StorageError(f"{path}: permission denied (injected)")
+    with pytest.raises(fastckpt.StorageError, match="could not be read, nothing found damaged"):
+        _verify_through(root, fail)
+    d = os.path.join(root, fmt.step_dirname(1))
+    assert not [n for n in os.listdir(d) if n.startswith(".verify")]  # nothing recorded
+
+
+def test_verify_of_a_step_removed_meanwhile_says_so(tmp_path, capsys):
+    # the writer retired the step while it was verified: gone, not damaged (before
+    # 2026-12-06: "MISSING ... shard file is missing", exit 1)
+    from fastckpt.retention import remove_step
+    root = str(tmp_path)
+    fastckpt.save({"w": torch.ones(1000)}, root, step=1)
+
+    def retire(inner, path):
+        remove_step(inner, inner.join(fmt.step_dirname(1)))
+    with pytest.raises(fastckpt.StepRemovedError, match="removed or saved again"):
+        _verify_through(root, retire)

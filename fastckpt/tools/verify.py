@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .. import __version__
-from ..errors import StorageError
+from ..errors import CorruptCheckpointError, StepRemovedError, StorageError
 from ..manifest import schema as fmt
-from ..manifest.discovery import find_step
+from ..manifest.discovery import find_step, read_manifest
 from ..manifest.verify import Problem, ProgressFn, check_layout, verify_file
 from ..storage import Storage
 from ..storage.native import aligned_buffer
@@ -107,7 +107,21 @@ def verify_step(root: str | Storage, step: int | None = None, *, jobs: int = 4,
         res.chunks_checked += nchunks
     res.files_checked = len(names)
     res.seconds = time.perf_counter() - t0
-    if record:
+    # a step retired (or saved again) by its writer meanwhile is not damaged: it is gone
+    # (before 2026-12-06 its vanished files were reported as damage)
+    if res.problems:
+        try:
+            now = read_manifest(storage, d, step=step, chunks=False)
+        except CorruptCheckpointError:
+            now = None
+        if now is None or now.get("save_id") != res.save_id:
+            raise StepRemovedError(f"step {step} was removed or saved again while it was "
+                                   "verified: verify again", file=d)
+    reads = [p for p in res.problems if p.kind == "read"]
+    if reads and len(reads) == len(res.problems):  # the storage failed, not the data
+        raise StorageError(f"step {step}: {len(reads)} file(s) could not be read, nothing "
+                           f"found damaged (first: {reads[0]}); nothing recorded", file=d)
+    if record and not reads:  # (a result with unread parts is not recorded)
         _record(storage, d, res)
     return res
 
