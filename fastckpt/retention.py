@@ -71,13 +71,15 @@ def remove_step(storage: Storage, path: str) -> None:
 def plan_removal(infos: list[StepInfo], keep_last: int | None, *, protect: set[int] = frozenset(),
                  now: float | None = None, force_partial: bool = False,
                  committed_only: bool = False, partial_below: int | None = None,
-                 damaged: set[int] = frozenset()) -> list[StepInfo]:
+                 damaged: set[int] = frozenset(),
+                 grace: float = INFLIGHT_GRACE_S) -> list[StepInfo]:
     """The steps to remove: old committed ones beyond ``keep_last`` and abandoned partial ones
     (none with ``committed_only``; only those below ``partial_below`` when it is given).
 
     Never the newest committed step, never a step in ``protect``, never a partial step with a
     recent in-flight marker unless ``force_partial``. ``damaged``: committed steps whose
-    manifest does not read back (:func:`damaged_steps`): not counted, not removed.
+    manifest does not read back (:func:`damaged_steps`): not counted, not removed. ``grace``:
+    how recent an in-flight marker is (``fastckpt gc --grace``).
     """
     now = time.time() if now is None else now
     committed = [i for i in infos if i.committed and i.step not in damaged]
@@ -89,7 +91,7 @@ def plan_removal(infos: list[StepInfo], keep_last: int | None, *, protect: set[i
         if i.committed or committed_only or (partial_below is not None
                                              and i.step >= partial_below):
             continue
-        recent = i.inflight_since is not None and now - i.inflight_since < INFLIGHT_GRACE_S
+        recent = i.inflight_since is not None and now - i.inflight_since < grace
         if force_partial or not recent:
             doomed.append(i)
     return [i for i in doomed if i.step not in protect]

@@ -116,3 +116,26 @@ def test_a_crafted_creation_time_is_a_damaged_manifest_not_a_crash(tmp_path, cap
         rc, out, err = call(*args, capsys=capsys)
         assert rc == 0 and "created_unix" in out + err and "Traceback" not in out + err, err
     assert _loads(root) == 1  # the damaged step is skipped
+
+
+def test_gc_grace_applies_to_in_flight_markers(tmp_path, capsys):
+    # an abandoned partial step whose marker and files are 10 minutes old: `--grace 60`
+    # removes it (before 2026-12-06 the marker's grace was always the engine's 3600 s)
+    import time
+    root = str(tmp_path)
+    _steps(root, (1,))
+    d = os.path.join(root, fmt.step_dirname(2))
+    os.makedirs(d)
+    t = time.time() - 600
+    with open(os.path.join(d, ".inflight-aaaaaaaaaaaa"), "w") as f:
+        json.dump({"save_id": "aaaaaaaaaaaa", "created_unix": t, "host": "h", "pid": 1}, f)
+    with open(os.path.join(d, "r00000-aaaaaaaaaaaa-000.fck"), "wb") as f:
+        f.write(b"x" * 4096)
+    for n in os.listdir(d):
+        os.utime(os.path.join(d, n), (t, t))
+    os.utime(d, (t, t))
+    rc, out, _ = call("gc", root, "--yes", "--json", capsys=capsys)  # (default: 3600 s)
+    assert rc == 0 and json.loads(out)["removed"] == [] and os.path.isdir(d)
+    rc, out, _ = call("gc", root, "--grace", "60", "--yes", "--json", capsys=capsys)
+    assert rc == 0 and json.loads(out)["removed"] == [2] and not os.path.exists(d)
+    assert fastckpt.steps(root) == [1]

@@ -84,7 +84,8 @@ def plan_gc(root: str | Storage, keep: int | None, *, grace: float = INFLIGHT_GR
     infos = [StepInfo(r.step, r._dir, r.committed, r.inflight_since) for r in eligible]
     # a committed step being saved again (a job that went back to an earlier step)
     resaving = {r.step for r in eligible if r.committed and _busy(r, now, grace)}
-    doomed = {i.step for i in plan_removal(infos, keep, now=now, protect=resaving)}
+    doomed = {i.step for i in plan_removal(infos, keep, now=now, protect=resaving,
+                                           grace=grace)}
     actions = []
     for r in recs:
         if r.step in resaving and not r.latest:
