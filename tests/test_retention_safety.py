@@ -139,3 +139,58 @@ def test_gc_grace_applies_to_in_flight_markers(tmp_path, capsys):
     rc, out, _ = call("gc", root, "--grace", "60", "--yes", "--json", capsys=capsys)
     assert rc == 0 and json.loads(out)["removed"] == [2] and not os.path.exists(d)
     assert fastckpt.steps(root) == [1]
+
+
+def _flip_data(root: str, step: int, fqn: str = "w", rank: int | None = None) -> None:
+    with open(os.path.join(root, fmt.step_dirname(step), fmt.MANIFEST)) as f:
+        body = json.load(f)["body"]
+    c = next(c for c in body["tensors"][fqn]["chunks"] if rank is None or c["rank"] == rank)
+    p = os.path.join(root, fmt.step_dirname(step), c["file"])
+    with open(p, "r+b") as f:
+        f.seek(c["offset"] + 8)
+        b = f.read(1)
+        f.seek(c["offset"] + 8)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_a_resume_falls_back_to_the_newest_step_that_loads(tmp_path, caplog):
+    # the newest step's data is damaged: before 2026-12-06 every restart failed on it (a
+    # requeued job looped) while the step before it loaded
+    root = str(tmp_path)
+    _steps(root, (1, 2, 3))
+    _flip_data(root, 3)
+    _flip_data(root, 2)
+    got = {"w": torch.zeros(100)}
+    with fastckpt.Checkpointer(root) as ck:
+        assert ck.resume(got) == 1
+    assert torch.equal(got["w"], torch.arange(100, dtype=torch.float32) + 1)
+    assert sum("does not load" in r.getMessage() for r in caplog.records) == 2
+    with pytest.raises(fastckpt.CorruptCheckpointError, match="checksum mismatch"):
+        fastckpt.load({"w": torch.zeros(100)}, root, step=3)  # asked for by number: no
+    with pytest.raises(fastckpt.CorruptCheckpointError):  # strict=False: no fallback
+        fastckpt.load({"w": torch.zeros(100)}, root, strict=False)
+
+
+def _two_rank_state(rank: int, step: int) -> dict:
+    return {"w": torch.full((1000,), float(step)), "mine": torch.full((1000,), step + 10.0 * rank)}
+
+
+def _two_rank_save(rank: int, world: int, root: str):
+    with fastckpt.Checkpointer(root) as ck:
+        for s in (1, 2):
+            ck.save(_two_rank_state(rank, s), step=s, block=True)
+
+
+def _two_rank_resume(rank: int, world: int, root: str):
+    got = {k: torch.zeros(1000) for k in ("w", "mine")}
+    with fastckpt.Checkpointer(root) as ck:
+        step = ck.resume(got)
+    return step, all(torch.equal(got[k], v) for k, v in _two_rank_state(rank, step).items())
+
+
+def test_a_resume_falls_back_on_every_rank_when_one_ranks_data_is_damaged(tmp_path):
+    from tests import distributed
+    root = str(tmp_path)
+    distributed.run(_two_rank_save, 2, root)
+    _flip_data(root, 2, "mine", rank=1)  # only rank 1 reads it
+    assert distributed.run(_two_rank_resume, 2, root) == [(1, True), (1, True)]

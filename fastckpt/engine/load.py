@@ -19,7 +19,7 @@ import torch
 from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, FastCkptError,
                       StepRemovedError, StorageError)
 from ..manifest import schema as fmt
-from ..manifest.discovery import find_step, is_partial
+from ..manifest.discovery import find_step, is_partial, list_steps, read_manifest
 from ..manifest.index import writers_of
 from ..storage import Storage
 from ..storage.pyio import huge_pages
@@ -87,21 +87,50 @@ def load_into(storage: Storage, state: dict | None, *, step: int | None = None,
     """
     group = group if group is not None else _dist.Group()
     own = state is not None  # first each rank reads only its own chunk index (if indexed)
-    attempt = 0
+    attempt = fallbacks = 0
+    cur = step
     while True:
         attempt += 1
+        seen: dict = {}
         try:
-            return _load_once(storage, state, step=step, verify=verify, strict=strict,
-                              group=group, timeout_s=timeout_s, own=own)
+            return _load_once(storage, state, step=cur, verify=verify, strict=strict,
+                              group=group, timeout_s=timeout_s, own=own, seen=seen)
         except _ReadEveryIndex:  # every rank, together: the ranks' own-index reads disagreed
             own = False
             attempt -= 1
             continue
         except StepRemovedError as e:
-            if step is not None or attempt == LOAD_ATTEMPTS:
+            if cur is not None or attempt == LOAD_ATTEMPTS:
                 raise
             log.warning("fastckpt: %s; loading the newest step again (attempt %d of %d)", e,
                         attempt + 1, LOAD_ATTEMPTS)
+        except CorruptCheckpointError as e:
+            # the newest step's data is damaged (every rank raises this class alike): a
+            # resume loads the newest older step (LOAD_ATTEMPTS in all), with a warning naming
+            # the damage; not for a step asked for by number, a whole read, or strict=False (a
+            # key of the damaged step the older one lacks would keep the damaged step's value)
+            failed = seen.get("step")
+            older = None if (step is not None or state is None or not strict or failed is None
+                             or fallbacks == LOAD_ATTEMPTS) else _newest_below(storage, failed)
+            if older is None:
+                raise
+            fallbacks += 1
+            log.warning("fastckpt: step %d does not load (%s); loading step %d, the newest "
+                        "older committed step", failed, e, older)
+            cur, attempt = older, attempt - 1
+
+
+def _newest_below(storage: Storage, below: int) -> int | None:
+    """The newest step older than ``below`` whose manifest reads back valid, or None."""
+    for s, d in reversed(list_steps(storage)):
+        if s >= below:
+            continue
+        try:
+            if read_manifest(storage, d, step=s, chunks=False) is not None:
+                return s
+        except CorruptCheckpointError:
+            continue
+    return None
 
 
 class _ReadEveryIndex(Exception):
@@ -317,7 +346,8 @@ def _covered(reader: FastCkptReader, targets: dict) -> bool:
 
 def _load_once(storage: Storage, state: dict | None, *, step: int | None, verify: bool,
                strict: bool, group: "_dist.Group", timeout_s: float,
-               own: bool = False) -> tuple[int, dict]:
+               own: bool = False, seen: dict | None = None) -> tuple[int, dict]:
+    """One attempt; ``seen["step"]``: the step every rank that found one found."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -340,6 +370,9 @@ def _load_once(storage: Storage, state: dict | None, *, step: int | None, verify
          isinstance(err, (CorruptCheckpointError, CheckpointNotFoundError))],
         _agreement, timeout_s=timeout_s, what="load: the agreement before the collective read")
     steps = agreed["steps"]
+    known = {s for s in steps if s is not None}
+    if seen is not None and len(known) == 1:
+        seen["step"] = next(iter(known))
     if own and (len(steps) > 1 or agreed["damaged"]):
         # a rank whose own index is damaged skipped the step (or failed on it) where the
         # others, which did not read that index, took it: decide again, every rank reading

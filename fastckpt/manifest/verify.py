@@ -16,7 +16,7 @@ from typing import Callable
 
 import xxhash
 
-from ..errors import StorageError
+from ..errors import NotRegularFileError, StorageError
 from ..storage import Storage
 from ..storage.native import aligned_buffer
 from . import schema as fmt
@@ -206,8 +206,9 @@ def verify_file(storage: Storage, d: str, name: str, info: dict, chunks: list,
     problems: list[Problem] = []
     try:
         size = storage.size(path)
-    except StorageError as e:
-        return [Problem("read", f"cannot stat the file: {e}", file=name, rank=rank)], 0, 0
+    except StorageError as e:  # (a FIFO or a directory there: damage, not a failed read)
+        kind = "missing" if isinstance(e, NotRegularFileError) else "read"
+        return [Problem(kind, f"cannot stat the file: {e}", file=name, rank=rank)], 0, 0
     if size is None:
         tensors = sorted({fqn for fqn, _ in chunks})
         more = f" (and {len(tensors) - 5} more)" if len(tensors) > 5 else ""
@@ -253,8 +254,9 @@ def verify_file(storage: Storage, d: str, name: str, info: dict, chunks: list,
         try:
             storage.read_into(path, bstart, buf, n, hash=False)  # hashed per chunk below
         except StorageError as e:
-            problems.append(Problem("read", f"cannot read {n} bytes: {e}", file=name,
-                                    offset=bstart, rank=rank))
+            problems.append(Problem("missing" if isinstance(e, NotRegularFileError) else "read",
+                                    f"cannot read {n} bytes: {e}", file=name, offset=bstart,
+                                    rank=rank))
             if progress:
                 progress(readable - bstart)
             return problems, nread, checked
