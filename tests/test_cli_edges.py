@@ -126,3 +126,11 @@ def test_verify_of_a_step_removed_meanwhile_says_so(tmp_path, capsys):
         remove_step(inner, inner.join(fmt.step_dirname(1)))
     with pytest.raises(fastckpt.StepRemovedError, match="removed or saved again"):
         _verify_through(root, retire)
+
+
+def test_a_usage_error_with_json_prints_json(tmp_path, capsys):
+    # docs/cli.md: every failure with --json prints {"ok": false, ...} (usage errors did not)
+    rc, out, _ = call("gc", str(tmp_path), "--keep", "0", "--json", capsys=capsys)
+    assert rc == 2 and json.loads(out) == {
+        "ok": False, "error": "Invalid value for '--keep': 0 is not in the range x>=1.",
+        "exit_code": 2}

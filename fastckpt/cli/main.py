@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> None:
         else:
             raise
     except click.ClickException as e:
+        args = sys.argv[1:] if argv is None else argv
+        if "--json" in args and "--" not in args[:args.index("--json")]:
+            # (a usage error comes before the command sets JSON mode: said in JSON too)
+            _emit_json({"ok": False, "error": e.format_message(), "exit_code": e.exit_code})
         e.show()
         rc = e.exit_code
     except (click.Abort, KeyboardInterrupt):
