@@ -314,16 +314,17 @@ def _apart(plan: LoadPlan) -> None:
     Each such tensor is read into one of its own and copied in after the reads, in key
     order: the key that sorts last holds the data (a warning names them). Spans are compared
     by extent (conservative: interleaved views take the copies too)."""
-    spans: dict = {}
+    spans: dict = {}  # device -> [(first byte's address, past the last one, key)]
     for fqn, t in plan.targets.items():
         local = t.to_local() if is_dtensor(t) else t
-        if local.numel() == 0 or local.device.type == "meta":
+        n = local.numel()
+        if n == 0 or local.device.type == "meta":
             continue
+        start = local.data_ptr()  # (one address space per device: storages never overlap)
         size = local.element_size()
-        start = local.storage_offset() * size
-        end = start + (sum((n - 1) * st for n, st in zip(local.shape, local.stride())) + 1) * size
-        key = (local.device.type, local.device.index, local.untyped_storage().data_ptr())
-        spans.setdefault(key, []).append((start, end, fqn))
+        end = start + (n * size if local.is_contiguous() else
+                       (sum((k - 1) * st for k, st in zip(local.shape, local.stride())) + 1) * size)
+        spans.setdefault((local.device.type, local.device.index), []).append((start, end, fqn))
     shared: set = set()
     for lst in spans.values():
         lst.sort()
