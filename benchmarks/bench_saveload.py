@@ -32,13 +32,17 @@ sys.path.insert(0, REPO_ROOT)  # the working tree's fastckpt (the children get i
 from fastckpt.bench import common as C  # noqa: E402
 from fastckpt.bench import state as S  # noqa: E402
 
-CONTENDERS = ("fastckpt", "torch", "dcp", "dcp4", "fio")
+CONTENDERS = ("fastckpt", "torch", "dcp", "dcp2", "dcp4", "dcp8", "fio")
+#: DCP's FileSystemWriter thread counts (its best one differs by host: try them)
+DCP_THREADS = {"dcp2": 2, "dcp4": 4, "dcp8": 8}
 DESCRIPTIONS = {
     "fastckpt": "fastckpt.save(state, path, step=1) / fastckpt.load(state, path)",
     "torch": "torch.save(state_dicts, f)+flush+fsync / torch.load(weights_only=True)"
              "+load_state_dict",
     "dcp": "dcp.save(get_state_dict(..), FileSystemWriter(path)) / dcp.load(FileSystemReader)",
+    "dcp2": "dcp.save(.., FileSystemWriter(path, thread_count=2)) / dcp.load(FileSystemReader)",
     "dcp4": "dcp.save(.., FileSystemWriter(path, thread_count=4)) / dcp.load(FileSystemReader)",
+    "dcp8": "dcp.save(.., FileSystemWriter(path, thread_count=8)) / dcp.load(FileSystemReader)",
     "fio": "fio seq O_DIRECT write (+end_fsync) / read, bs=16M iodepth=8 libaio; the best of "
            "1 and 2 files at once, preallocated or not; fio's own runtime",
 }
@@ -110,13 +114,16 @@ def _child(payload: dict[str, Any]) -> dict[str, Any]:
         fn = _op_torch
     elif contender == "dcp":
         fn = lambda o, m, opt, p: _op_dcp(o, m, opt, p, None)  # noqa: E731
-    elif contender == "dcp4":
-        fn = lambda o, m, opt, p: _op_dcp(o, m, opt, p, 4)  # noqa: E731
+    elif contender in DCP_THREADS:
+        fn = lambda o, m, opt, p: _op_dcp(o, m, opt, p, DCP_THREADS[contender])  # noqa: E731
     else:
         raise ValueError(f"unknown contender {contender!r}")
     if contender == "fastckpt":
         import fastckpt  # import cost is setup, not measured: the package is lazy (PEP 562),
         fastckpt.save, fastckpt.load  # so touch the entry points to import the engine here
+    if contender.startswith("dcp"):  # the same for DCP (before 2026-12-06 its imports, read
+        import torch.distributed.checkpoint  # noqa: F401  cold after the cache drop, were
+        import torch.distributed.checkpoint.state_dict  # noqa: F401  timed: ~0.065 s a save)
 
     t_setup = time.perf_counter()
     # loads start from a *different* fresh model+optimizer (seed+1) so that a

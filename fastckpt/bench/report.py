@@ -157,26 +157,43 @@ def summarize(raw: dict, *, state_size: int | None = None, step_drain_s: float =
                 rows[-1]["dcp_thread_count"] = DCP_THREADS[c] or 1
     by = {r["name"]: r for r in rows}
     rawr = by.get("raw")
+
+    def paired(num: list, den: list, scale: float = 1.0) -> float | None:
+        """The median over repetitions of num[i] / den[i] x scale (the contenders of one
+        repetition ran side by side: a ratio of two medians would pair unlike ones); the
+        ratio of the medians when the lists do not line up."""
+        pairs = [(a, b) for a, b in zip(num, den) if a and b]
+        if pairs and len(num) == len(den):
+            return common.median([a / b * scale for a, b in pairs])
+        mn, md = common.median([x for x in num if x]), common.median([x for x in den if x])
+        return mn / md * scale if mn and md else None
+
     for r in rows:
         for k in ("write", "read"):
-            bw, base = r[f"{k}_bytes_per_s"], rawr and rawr[f"{k}_bytes_per_s"]
-            r[f"{k}_vs_raw"] = bw / base if bw and base else None
+            r[f"{k}_vs_raw"] = None if not rawr else paired(
+                rawr[f"{k}_s_samples"], r[f"{k}_s_samples"], r["bytes"] / rawr["bytes"])
     fck = by.get("fastckpt")
     speedup = {}
     if fck and fck["write_s"] and fck["read_s"]:
         for r in rows:
             if r["name"] in ("torch",) + DCP_CONTENDERS and r["write_s"] and r["read_s"]:
-                speedup[r["name"]] = {"save": r["write_s"] / fck["write_s"],
-                                      "load": r["read_s"] / fck["read_s"]}
+                speedup[r["name"]] = {"save": paired(r["write_s_samples"],
+                                                     fck["write_s_samples"]),
+                                      "load": paired(r["read_s_samples"], fck["read_s_samples"])}
         dcps = [r for r in rows if r["name"] in DCP_CONTENDERS and r["write_s"] and r["read_s"]]
-        if dcps:  # against the best DCP of the run, phase by phase
+        if dcps:  # against the best DCP of each repetition, phase by phase
+            def best(k: str) -> list:
+                n = min(len(r[f"{k}_s_samples"]) for r in dcps)
+                return [min(r[f"{k}_s_samples"][i] for r in dcps) for i in range(n)]
             bw = min(dcps, key=lambda r: r["write_s"])
             br = min(dcps, key=lambda r: r["read_s"])
-            speedup["dcp_best"] = {"save": bw["write_s"] / fck["write_s"],
-                                   "load": br["read_s"] / fck["read_s"],
+            speedup["dcp_best"] = {"save": paired(best("write"), fck["write_s_samples"]),
+                                   "load": paired(best("read"), fck["read_s_samples"]),
                                    "save_by": bw["name"], "load_by": br["name"]}
     grace = None
-    save_bw = fck and fck["write_bytes_per_s"]
+    # the grace window from the slowest repetition's save (a window is sized for the worst)
+    slowest = max(fck["write_s_samples"]) if fck and fck["write_s_samples"] else None
+    save_bw = slowest and fck["bytes"] / slowest
     if save_bw:
         grace = grace_window(int(state_size or state_bytes), save_bw, step_drain_s=step_drain_s,
                              barrier_s=barrier_s, safety_fraction=safety_fraction,
