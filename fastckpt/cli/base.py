@@ -267,7 +267,7 @@ def cli() -> None:
     """fastckpt: inspect, verify, clean up and benchmark checkpoints.
 
     ROOT is a checkpoint root: a local directory or an fsspec URL (s3://bucket/run,
-    memory://..., file:///...). Every command accepts --json.
+    memory://..., file:///...). The commands on a root accept --json.
     """
 
 
