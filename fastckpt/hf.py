@@ -240,7 +240,7 @@ class FastCkptCallback(TrainerCallback):
         text = self._trainer_state_json(trainer, trial)
         best = trainer.state.best_global_step if trainer.args.metric_for_best_model else None
         # retention keeps the best step, as the Trainer's rotation keeps its best checkpoint
-        ck._writer.keep = frozenset({best} if best else ())
+        ck.keep_steps({best} if best else set())
         ck.save(self._state(text), step=step,
                 user_meta={"written_by": "fastckpt.hf.FastCkptCallback",
                            "global_step": step, "epoch": trainer.state.epoch})

@@ -54,9 +54,9 @@ from torchtitan.components.checkpointer.dcp import AsyncMode
 
 from . import dcp as fdcp
 from .engine import dist as _dist
-from .errors import CorruptCheckpointError, StorageError
+from .errors import StorageError
 from .manifest import schema as fmt
-from .manifest.discovery import list_steps, read_manifest
+from .manifest.discovery import committed_steps, read_manifest
 from .manifest.values import decode_value, encode_value
 from .retention import apply_retention
 from .storage import Storage, open_storage
@@ -161,16 +161,12 @@ class CheckpointManager(_TitanManager):
 
     def _find_load_step(self, folder: str = "") -> int:
         storage = self._storage(folder or self.folder)
-        try:
-            listing = list_steps(storage)
+        try:  # the newest valid one resumes; `fastckpt verify` names the damage
+            newest = next(committed_steps(storage, newest_first=True), None)
         except StorageError:
             return -1  # no folder yet: a fresh start, as torchtitan's own manager says
-        for step, d in reversed(listing):
-            try:
-                if read_manifest(storage, d, step=step) is not None:
-                    return step
-            except CorruptCheckpointError:
-                continue  # the newest valid one resumes; `fastckpt verify` names the damage
+        if newest is not None:
+            return newest
         # nothing committed by fastckpt: torchtitan's own DCP checkpoints, if any
         step = super()._find_load_step(folder)
         if step >= 0:
@@ -196,14 +192,7 @@ class CheckpointManager(_TitanManager):
                   and n != fmt.step_dirname(int(n[5:]))}
         if not legacy:
             return
-        committed = set()
-        for step, d in list_steps(storage):
-            try:
-                if read_manifest(storage, d, step=step) is not None:
-                    committed.add(step)
-            except CorruptCheckpointError:
-                continue
-        newest = sorted(set(legacy) | committed)
+        newest = sorted(set(legacy) | set(committed_steps(storage)))
         keep = set(newest[-self.keep_latest_k:]) | set(self._writing)
         for step, name in sorted(legacy.items()):
             if step not in keep:

@@ -43,11 +43,10 @@ from typing import Any, Callable
 
 import xxhash
 
-from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, FastCkptError,
-                      UnsupportedStateError)
+from ..errors import CheckpointNotFoundError, FastCkptError, UnsupportedStateError
 from ..lease import WriterLease
 from ..manifest import schema as fmt
-from ..manifest.discovery import find_step, list_steps, read_manifest
+from ..manifest.discovery import committed_steps, find_step
 from ..options import CheckpointOptions, options_from_env
 from ..storage import Storage, open_storage
 from ..storage.native import get_backend
@@ -233,6 +232,11 @@ class Engine:
             return None, 0
         return job.handle, max((p.size for p in job.plan.pieces), default=0)
 
+    def keep_steps(self, steps: set[int] | frozenset[int]) -> None:
+        """Steps retention keeps from now on besides the newest ``keep_last`` (an
+        integration's: the Trainer's best step)."""
+        self._writer.keep = frozenset(steps)
+
     def last_committed(self) -> SaveHandle | None:
         """This engine's last save if it is committed, else None."""
         last = self._last
@@ -306,7 +310,7 @@ class Engine:
                 return self._write_from_memory(job, data, deadline)
             self._stage(job, data, stager)
         except BaseException as e:  # (an interrupt too: the writer must not wait for pieces)
-            job.pieces.put((None, e, None, None))  # (a second one is never read)
+            job.pieces.put((None, e, None, None))  # (_stage's own, first, makes this unread)
             if block:  # raised here: the next save must not raise it again on this rank
                 handle._reported = True  # alone (its peers observed it in their wait())
             raise
@@ -428,12 +432,8 @@ class Engine:
         one is written, then wait for the commit: the tensors are read until the shards are
         written. An emergency save returns at its deadline even so: its caller gives up."""
         handle = job.handle
-        try:
-            for piece in job.plan.pieces:
-                job.pieces.put((piece, gather_piece(piece, data, self.storage.io), None, None))
-        except BaseException as e:
-            job.pieces.put((None, e, None, None))  # the writer fails this save on every rank
-            raise
+        for piece in job.plan.pieces:  # (a failure: the caller tells the writer, _save)
+            job.pieces.put((piece, gather_piece(piece, data, self.storage.io), None, None))
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             done = handle._done.wait(left)
@@ -545,14 +545,7 @@ class Engine:
 
     def steps(self) -> list[int]:
         """Every committed step under the root (a valid manifest), oldest first."""
-        out = []
-        for s, d in list_steps(self.storage):
-            try:
-                if read_manifest(self.storage, d, step=s) is not None:
-                    out.append(s)
-            except CorruptCheckpointError:
-                continue
-        return out
+        return list(committed_steps(self.storage))
 
     def latest_step(self) -> int | None:
         try:

@@ -19,7 +19,7 @@ import torch
 from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, FastCkptError,
                       StepRemovedError, StorageError)
 from ..manifest import schema as fmt
-from ..manifest.discovery import find_step, is_partial, list_steps, read_manifest
+from ..manifest.discovery import committed_steps, find_step, is_partial
 from ..manifest.index import writers_of
 from ..storage import Storage
 from ..storage.pyio import huge_pages
@@ -122,15 +122,8 @@ def load_into(storage: Storage, state: dict | None, *, step: int | None = None,
 
 def _newest_below(storage: Storage, below: int) -> int | None:
     """The newest step older than ``below`` whose manifest reads back valid, or None."""
-    for s, d in reversed(list_steps(storage)):
-        if s >= below:
-            continue
-        try:
-            if read_manifest(storage, d, step=s, chunks=False) is not None:
-                return s
-        except CorruptCheckpointError:
-            continue
-    return None
+    return next((s for s in committed_steps(storage, newest_first=True, chunks=False)
+                 if s < below), None)
 
 
 class _ReadEveryIndex(Exception):

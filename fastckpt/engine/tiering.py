@@ -207,8 +207,10 @@ class Tier:
                 ids = [j.plan.save_id for j in self._deferred]
                 if save_id is None:  # (a failed save's handle is done without a defer)
                     self._expected = [j for j in self._expected if not j.handle.done()]
-                if save_id is None and (ids or not self._expected or self.frozen) or \
-                        save_id in ids:
+                    ready = bool(ids) or not self._expected or self.frozen
+                else:
+                    ready = save_id in ids
+                if ready:
                     i = len(ids) - 1 if save_id is None else ids.index(save_id)
                     job = self._deferred[i] if i >= 0 else None
                     older = self._deferred[:max(i, 0)]

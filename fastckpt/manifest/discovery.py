@@ -12,7 +12,7 @@ import json
 import logging
 import re
 import time
-from typing import Callable, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, NotRegularFileError,
                       StorageError)
@@ -37,6 +37,21 @@ def list_steps(storage: Storage) -> list[tuple[int, str]]:
         if s is not None:
             out.append((s, storage.join(name)))
     return sorted(out)
+
+
+def committed_steps(storage: Storage, *, newest_first: bool = False,
+                    chunks: bool | str = True) -> Iterator[int]:
+    """The steps whose manifest reads back valid (``chunks``: see :func:`read_manifest`),
+    ascending or ``newest_first``, read lazily (a caller that stops early reads no more); a
+    damaged one is left out (``fastckpt verify`` names it). StorageError (at the first item)
+    when the root cannot be listed."""
+    listing = list_steps(storage)
+    for s, d in (reversed(listing) if newest_first else listing):
+        try:
+            if read_manifest(storage, d, step=s, chunks=chunks) is not None:
+                yield s
+        except CorruptCheckpointError:
+            continue
 
 
 def manifest_state(storage: Storage, step_dir: str, *, step: int) -> str:
