@@ -68,6 +68,10 @@ def main() -> None:
     if trainer.is_global_zero:
         print(f"best: {checkpoints.best_model_path} (train_loss {checkpoints.best_model_score})")
         print(f"last: {checkpoints.last_model_path}")
+    # Lightning destroys only an NCCL process group at exit; a gloo one left up (--devices 2 on
+    # CPU) can abort the interpreter's exit with SIGABRT (pytorch/pytorch#190489)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -174,3 +174,8 @@ def mp(out):
 if __name__ == "__main__":
     mode, out = sys.argv[1], sys.argv[2]
     {"ddp": ddp, "mp": mp}[mode](out)
+    # Lightning destroys only an NCCL process group at exit: a gloo one left up can abort the
+    # interpreter's exit ("terminate called without an active exception", SIGABRT; seen once
+    # in CI, pytorch/pytorch#190489)
+    if dist.is_initialized():
+        dist.destroy_process_group()
