@@ -13,7 +13,9 @@ class CheckpointOptions:
     """How a :class:`~fastckpt.Checkpointer` saves and loads. Immutable; thread-safe.
 
     keep_last: after each commit keep only the newest N committed steps (None: keep all).
-    commit_timeout_s: the deadline for all ranks to report and for the commit decision.
+    commit_timeout_s: the deadline for all ranks to report and for the commit decision; also
+        each rank's write phase (its shard files: a write that has not finished 5 s past it
+        fails the save, local disks included) and the housekeeping after a commit.
     collective: True (default): ``save``/``load`` are collective over the default process group.
         False: this process saves and loads alone (as rank 0 of 1) whatever the process group:
         for a state that is replicated and saved by one process (Lightning's DDP strategy calls

@@ -43,7 +43,8 @@ from typing import Any, Callable
 
 import xxhash
 
-from ..errors import CheckpointNotFoundError, FastCkptError, UnsupportedStateError
+from ..errors import (CheckpointNotFoundError, FastCkptError, StorageError,
+                      UnsupportedStateError)
 from ..lease import WriterLease
 from ..manifest import schema as fmt
 from ..manifest.discovery import committed_steps, find_step
@@ -52,7 +53,7 @@ from ..storage import Storage, open_storage
 from ..storage.native import get_backend
 from . import device as _device
 from . import dist as _dist
-from .handle import SaveHandle
+from .handle import STUCK_SLACK_S, SaveHandle
 from .load import load_into
 from .claim import raise_setup_errors, setup_failures
 from .plan import PlanExchange, local_chunks
@@ -288,7 +289,8 @@ class Engine:
             self._pool.prepare([p.size for p in plan.pieces], self.options.staging_cap_bytes,
                                pinner=stager)
         step_dir = self.storage.join(fmt.step_dirname(step))
-        handle = SaveHandle(step, step_dir)
+        handle = SaveHandle(step, step_dir, bound=STUCK_SLACK_S + (
+            time.monotonic() + 3 * self.options.commit_timeout_s if deadline is None else deadline))
         handle.earlier_failure = earlier
         job = Job(plan, handle, step_dir, user_meta=user_meta, t0=t0, deadline=deadline,
                   compress=compress)
@@ -434,9 +436,9 @@ class Engine:
         handle = job.handle
         for piece in job.plan.pieces:  # (a failure: the caller tells the writer, _save)
             job.pieces.put((piece, gather_piece(piece, data, self.storage.io), None, None))
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        end = deadline if deadline is not None else handle.bound
         try:
-            done = handle._done.wait(left)
+            done = handle._done.wait(max(0.0, end - time.monotonic()))
         except BaseException:  # (Ctrl-C): the writes read the tensors the caller gets back;
             job.cancel.set()  # nothing of this save may commit, and no write may go on
             handle._done.wait(2 * self.options.commit_timeout_s + 5)  # (each one bounded)
@@ -444,6 +446,9 @@ class Engine:
         if done:
             handle._staged.set()
             handle.wait()  # raises its failure
+        elif deadline is None:  # stuck past its bound (a hung mount): it must not commit
+            job.cancel.set()
+            handle.wait()  # raises: stuck
         return handle
 
     def _stage(self, job: Job, data: dict, stager: Any) -> None:
@@ -503,7 +508,7 @@ class Engine:
         last = self._last
         if last is None:
             return
-        last._done.wait()
+        last._wait_done(None)  # (ends at the save's bound: a StorageError, it is stuck)
         exc = last.take_failure() if not last._reported else None
         if exc is not None:
             raise exc
@@ -568,7 +573,12 @@ class Engine:
             atexit.unregister(self._atexit)
         except Exception:  # noqa: BLE001
             pass
-        self._writer.close()
+        last = self._last
+        if not self._writer.close(until=last.bound if last is not None else None):
+            raise StorageError(  # (nothing else is released: a stuck write still uses it)
+                f"closing: the save of step {last.step} is still held past its deadlines by a "
+                "write or file-system call that does not return (a hung mount?); its outcome "
+                "is unknown, the steps committed before it are untouched", file=last.path)
         if self._tier is not None:  # the queued uploads, each bounded by its deadline
             self._tier.close()
         if self._lease is not None:  # after the last commit
@@ -578,7 +588,6 @@ class Engine:
         self._pool.close()  # unpinned before they are freed
         if self._stager is not None:
             self._stager.close()
-        last = self._last
         exc = last.take_failure() if last is not None and not last._reported else None
         if exc is not None:
             raise exc

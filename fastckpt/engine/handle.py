@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import threading
+import time
+
+from ..errors import StorageError
+
+#: how long past a save's own deadlines its handle is still waited for by a ``wait()`` without
+#: a timeout (the writer's phases each end by theirs: see :meth:`SaveHandle.bound`)
+STUCK_SLACK_S = 60.0
 
 
 class SaveHandle:
@@ -13,9 +20,14 @@ class SaveHandle:
     background write, naming the rank(s) and file.
     """
 
-    def __init__(self, step: int, path: str) -> None:
+    def __init__(self, step: int, path: str, bound: float | None = None) -> None:
         self.step = step
         self.path = path
+        #: (``time.monotonic()``) when waiting for this save stops with a StorageError: the
+        #: writer's phases (the writes, the commit exchange, the housekeeping) each end by
+        #: ``commit_timeout_s`` (an emergency save: by its deadline), so a save still running
+        #: past them all is held by a call that will not return (a hung mount). None: no bound
+        self.bound = bound
         self._staged = threading.Event()
         self._done = threading.Event()
         self._exc: BaseException | None = None
@@ -48,16 +60,37 @@ class SaveHandle:
         return self._done.is_set()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._done.wait(timeout)
+        """The save's failure, None if it committed or is still running after ``timeout``
+        seconds (without one: until the save's bound, then StorageError, as ``wait``)."""
+        if timeout is None:
+            self._wait_done(None)
+        else:
+            self._done.wait(timeout)
         return self._exc
 
     def wait(self, timeout: float | None = None) -> "SaveHandle":
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"save of step {self.step} still running after {timeout}s")
+        """Block until the save is committed, or ``timeout`` seconds (TimeoutError); raise its
+        failure. Without a timeout the wait still ends at the save's own bound (``bound``):
+        a StorageError saying it is stuck."""
+        self._wait_done(timeout)
         if self._exc is not None:
             self._reported = True
             raise self._exc
         return self
+
+    def _wait_done(self, timeout: float | None) -> None:
+        if timeout is not None or self.bound is None:
+            if not self._done.wait(timeout):
+                raise TimeoutError(f"save of step {self.step} still running after {timeout}s")
+            return
+        if not self._done.wait(max(0.0, self.bound - time.monotonic())):
+            raise StorageError(
+                f"the save of step {self.step} is still running past its deadlines (its "
+                "writes, its commit exchange and its housekeeping are each bounded by "
+                "commit_timeout_s): a write or file-system call is stuck (a hung NFS mount, a "
+                "failing device?); whether it commits is unknown, the steps committed before it "
+                "are untouched, and this Checkpointer cannot save or load until it ends",
+                file=self.path)
 
     def take_failure(self) -> BaseException | None:
         """The failure of a finished save, marked as observed: neither the next ``save`` nor

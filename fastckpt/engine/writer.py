@@ -32,12 +32,13 @@ import queue
 import socket
 import threading
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 
-from ..errors import CommitTimeoutError, FastCkptError
+from ..errors import CommitTimeoutError, FastCkptError, StorageError
 from ..manifest import index as idx
 from ..manifest import schema as fmt
 from ..manifest.discovery import marker_doc, marker_name, read_manifest
@@ -55,6 +56,9 @@ log = logging.getLogger("fastckpt")
 
 WRITE_STREAMS = 2  # shard files written at once by one rank
 DISCARD_S = 10.0  # removing a failed save's files from a remote store, at most
+#: how long past the write deadline a shard write is waited for (a remote store's own bound,
+#: at the deadline, reports first; past this, a write that has not returned fails the save)
+WRITE_GRACE_S = 5.0
 _SENTINEL = object()
 
 
@@ -118,15 +122,22 @@ class Writer:
             self._thread.start()
         self.queue.put(job)
 
-    def close(self) -> None:
-        """Finish the queued saves and stop the threads. Idempotent."""
+    def close(self, until: float | None = None) -> bool:
+        """Finish the queued saves and stop the threads, waiting until ``until`` at most
+        (``time.monotonic()``; the last save's bound); False when a thread was still held
+        then by a call that does not return (a hung mount): it is left to run (a daemon).
+        Idempotent."""
+        ok = True
         if self._thread is not None:
             self.queue.put(_SENTINEL)
-            self._thread.join()
+            self._thread.join(None if until is None else max(0.0, until - time.monotonic()))
+            ok = not self._thread.is_alive()
             self._thread = None
         if self._io is not None:
-            self._io.shutdown()
+            self._io.shutdown(wait=False)
+            ok = self._io.join(until) and ok
             self._io = None
+        return ok
 
     def _run(self) -> None:
         while True:
@@ -182,12 +193,13 @@ class Writer:
                         raise FastCkptError(f"save of step {plan.step} was cancelled (superseded "
                                             "by a newer save, or its call was interrupted); "
                                             "nothing was committed")
-                    while len(pending) >= streams or (pending and pending[0].done()):
-                        files.append(pending.popleft().result())  # raises a write's error
-                    pending.append(ex.submit(self._write_piece, st, d, plan, piece, buf,
-                                             hashes, ready, job.compress))
+                    while len(pending) >= streams or (pending and pending[0][0].done()):
+                        files.append(self._result(pending.popleft(), plan, write_deadline))
+                    pending.append((ex.submit(self._write_piece, st, d, plan, piece, buf,
+                                              hashes, ready, job.compress),
+                                    f"{d}/{fmt.shard_name(self.rank, plan.save_id, piece.index)}"))
                 while pending:
-                    files.append(pending.popleft().result())
+                    files.append(self._result(pending.popleft(), plan, write_deadline))
                 files.sort(key=lambda f: f["piece"])
                 st.sync_dir(d)  # the files' entries, once for all of them
                 if plan.indexed:  # then the chunk list, durably (fsync, rename, dir fsync)
@@ -200,7 +212,8 @@ class Writer:
                 # after a failure: the writes under way end first (each bounded by the save's
                 # deadline; they release their own buffers), then the pieces still coming are
                 # taken, so a capped pool never leaves the training thread waiting for a buffer
-                wait_all(pending)
+                wait_all([f for f, _ in pending],
+                         timeout=max(write_deadline - time.monotonic(), 0.0) + WRITE_GRACE_S)
                 while remaining:
                     piece, buf, _, ready = job.pieces.get()
                     remaining = 0 if piece is None else remaining - 1
@@ -270,6 +283,23 @@ class Writer:
             cb(plan.file_size, t1 - t0, job.handle.timings.get("stage_s", 0.0))
         for cb in self.on_committed:
             cb(job)
+
+    def _result(self, pending: tuple, plan: SavePlan, deadline: float) -> dict:
+        """A shard write's entries (raising its error), waited for until the save's write
+        deadline (plus :data:`WRITE_GRACE_S`, so that a remote store's own bound reports first):
+        a write into a file system that stopped answering fails the save, naming the file, and
+        is left to its thread (local system calls cannot be interrupted)."""
+        fut, path = pending
+        bound = max(deadline - time.monotonic(), 0.0) + WRITE_GRACE_S
+        try:
+            return fut.result(timeout=bound)
+        except FutureTimeout:
+            raise StorageError(
+                f"the shard write of step {plan.step} did not finish within the save's "
+                f"deadline (commit_timeout_s="
+                f"{self.options.commit_timeout_s:g}, or an emergency save's grace): the file "
+                "system stopped answering (a hung NFS mount, a failing device?); not committed, "
+                "the write is left to its thread", rank=self.rank, file=path) from None
 
     def _committed_anyway(self, job: Job) -> bool:
         """(background, after the coordinator's decision could not be read) Whether the step's
@@ -434,8 +464,13 @@ class Writer:
         1.5 GiB step took about 0.25 s here, and a 15 GB shard per rank takes seconds); the
         next save's retention, after the restart, removes what it left. On a local file system
         it still removes abandoned partial steps (the save it superseded, whose ranks have
-        discarded their own files: an empty directory or nearly)."""
-        st, d, plan = self.storage, job.step_dir, job.plan
+        discarded their own files: an empty directory or nearly). Bounded by
+        ``commit_timeout_s`` (an emergency save: its deadline), so a storage that stops
+        answering cannot hold the writer."""
+        deadline = time.monotonic() + self.options.commit_timeout_s
+        if job.deadline is not None:
+            deadline = min(deadline, job.deadline)
+        st, d, plan = self.storage.bounded(deadline), job.step_dir, job.plan
 
         def leftovers() -> None:
             keep = job.files | {fmt.MANIFEST}

@@ -7,20 +7,34 @@ regular files (a FIFO, device or directory where a file is expected raises
 ``NotRegularFileError`` instead of blocking), files are created and removed relative to a
 directory opened with ``O_NOFOLLOW``, and a step directory that is a link is not written
 through. The root itself may be a link (the user's choice).
+
+Deadlines: a local disk's system calls cannot be interrupted, and a mount that stops answering
+(NFS, a failing device) blocks them for good. A :meth:`LocalStorage.bounded` view runs its
+metadata calls (directories, listings, small files, the manifest's rename, removals) on a small
+shared pool of threads (:data:`LOCAL_THREADS`) and waits for each until the view's deadline: a
+call that has not returned by then is left to its thread and a StorageError names it, so a save
+fails by its deadline instead of hanging. Shard writes and reads run on the engine's own I/O
+threads, whose waits the writer bounds the same way (engine/writer.py).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import copy
 import errno
+import functools
 import os
 import shutil
 import stat
+import threading
+import time
 import uuid
 from typing import Sequence
 
 from . import native as _native
-from ..errors import NotRegularFileError
+from ..errors import NotRegularFileError, StorageError
 from .base import Storage, storage_error
+from .threads import Threads
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -42,6 +56,57 @@ def not_regular(path: str, mode: int) -> NotRegularFileError:
     return err
 
 
+#: threads that run the metadata calls of bounded views (shared by every local root of the
+#: process; a call stuck for good in a mount that stopped answering keeps its thread, the
+#: others still run, and a call that waits for a free thread still ends at its bound)
+LOCAL_THREADS = 4
+#: the least time a bounded call is given when its deadline has passed already (the cleanup
+#: after a failed save: milliseconds on a disk that answers)
+FLOOR_S = 2.0
+_pool: list = []
+_pool_lock = threading.Lock()
+_on_pool = threading.local()
+
+
+def _threads() -> Threads:
+    with _pool_lock:
+        if not _pool or _pool[0][0] != os.getpid():  # (a forked child has none of the threads)
+            _pool[:] = [(os.getpid(), Threads(LOCAL_THREADS, "fastckpt-local"))]
+        return _pool[0][1]
+
+
+def _run_flagged(fn, *args, **kw):
+    _on_pool.active = True
+    try:
+        return fn(*args, **kw)
+    finally:
+        _on_pool.active = False
+
+
+def bounded_call(what: str):
+    """Decorate a LocalStorage method ``(self, path, ...)``: on a bounded view (``deadline``
+    set) it runs on the shared pool and is waited for until the deadline (at least
+    :data:`FLOOR_S`); past that, StorageError naming ``what`` and the path. A call made from a
+    pool thread runs in place (no wait for a pool thread from a pool thread)."""
+    def deco(fn):
+        @functools.wraps(fn)
+        def call(self, path, *args, **kw):
+            if self.deadline is None or getattr(_on_pool, "active", False):
+                return fn(self, path, *args, **kw)
+            bound = max(self.deadline - time.monotonic(), FLOOR_S)
+            fut = _threads().submit(_run_flagged, fn, self, path, *args, **kw)
+            try:
+                return fut.result(timeout=bound)
+            except concurrent.futures.TimeoutError:
+                fut.cancel()  # (still queued: it never runs)
+                raise StorageError(
+                    f"{what} did not return within its deadline ({bound:.1f} s): the file "
+                    "system stopped answering (a hung NFS mount, a failing device?); the call "
+                    "is left to its thread", file=path) from None
+        return call
+    return deco
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -51,6 +116,8 @@ def _fsync_dir(path: str) -> None:
 
 
 class LocalStorage(Storage):
+    #: a bounded view's deadline (``time.monotonic()``); None: calls run in place, unbounded
+    deadline: float | None = None
 
     def __init__(self, root: str, *, io_mode: str = "auto", direct_io: bool = True) -> None:
         super().__init__(os.path.abspath(os.path.expanduser(root)))
@@ -61,6 +128,15 @@ class LocalStorage(Storage):
     def is_local(self) -> bool:
         return True
 
+    def bounded(self, deadline: float | None) -> "LocalStorage":
+        """A view whose metadata calls end, or raise StorageError, by ``deadline`` (see the
+        module docstring); shard writes and reads are not moved (their callers bound them)."""
+        if deadline is None:
+            return self
+        view = copy.copy(self)
+        view.deadline = deadline
+        return view
+
     def _dir_fd(self, d: str) -> int:
         """An fd of directory ``d``, not following a link unless ``d`` is the root."""
         flags = os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC
@@ -68,6 +144,7 @@ class LocalStorage(Storage):
             flags |= _O_NOFOLLOW
         return os.open(d, flags)
 
+    @bounded_call("creating the directory")
     def makedirs(self, path: str) -> None:
         if os.path.islink(path) and os.path.normpath(path) != os.path.normpath(self.root):
             raise storage_error(OSError(errno.ELOOP, "is a symbolic link: fastckpt does not "
@@ -81,6 +158,7 @@ class LocalStorage(Storage):
         except OSError as e:
             raise storage_error(e, "creating the directory", path) from e
 
+    @bounded_call("listing")
     def listdir(self, path: str) -> list[str]:
         """Names in ``path`` except symbolic links (never followed, never removed)."""
         try:
@@ -91,6 +169,7 @@ class LocalStorage(Storage):
         except OSError as e:
             raise storage_error(e, "listing", path) from e
 
+    @bounded_call("listing")
     def sizes(self, path: str) -> dict[str, int | None]:
         out: dict[str, int | None] = {}
         try:
@@ -107,6 +186,7 @@ class LocalStorage(Storage):
             raise storage_error(e, "listing", path) from e
         return out
 
+    @bounded_call("reading")
     def read_bytes(self, path: str) -> bytes:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC)
@@ -127,6 +207,7 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
+    @bounded_call("stat")
     def size(self, path: str) -> int | None:
         """Size of a regular file; None when nothing is there; NotRegularFileError when
         something else is (a directory, a link, a FIFO)."""
@@ -162,6 +243,7 @@ class LocalStorage(Storage):
         except OSError as e:
             raise storage_error(e, "writing the shard", path) from e
 
+    @bounded_call("syncing the directory")
     def sync_dir(self, path: str) -> None:
         try:
             _fsync_dir(path)
@@ -198,6 +280,7 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
+    @bounded_call("publishing")
     def publish(self, path: str, data: bytes, *, durable: bool = True) -> None:
         d, name = os.path.split(path)
         tmp = f".{name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -228,6 +311,7 @@ class LocalStorage(Storage):
             if dfd >= 0:
                 os.close(dfd)
 
+    @bounded_call("removing")
     def remove(self, path: str) -> None:
         """Remove one file (a link is removed, not followed; so is a link in place of its
         step directory: nothing outside the root is touched)."""
@@ -249,6 +333,7 @@ class LocalStorage(Storage):
         finally:
             os.close(dfd)
 
+    @bounded_call("removing the directory")
     def remove_dir(self, path: str) -> None:
         """Remove a directory tree; a link in its place is removed itself, never followed
         (shutil.rmtree does not follow the links inside)."""

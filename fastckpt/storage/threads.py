@@ -56,6 +56,15 @@ class Threads(Executor):
                 if t is not threading.current_thread():
                     t.join()
 
+    def join(self, until: float | None = None) -> bool:
+        """(after ``shutdown``) Wait for the threads to end, until ``until`` at most
+        (``time.monotonic()``; None: no bound); whether they all did."""
+        import time
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(None if until is None else max(0.0, until - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads if t is not threading.current_thread())
+
     def _work(self) -> None:
         while True:
             call = self._calls.get()

@@ -1,0 +1,190 @@
+"""A file system that stops answering (a hung NFS mount, a failing device) fails a save by its
+deadline, naming the rank and the file or call, instead of hanging the job; the steps committed
+before it stay loadable, nothing the caller passed changes, and ``close`` ends too.
+
+Simulated, and said so: nothing here can make a real mount stop answering (no NFS server, no
+FUSE tools on these machines), and a local system call blocked in the kernel cannot be
+interrupted anyway. ``Hung`` is a real LocalStorage whose chosen calls block on an event inside
+the code path they take in a save: shard writes on the engine's I/O threads (the writer bounds
+its waits for them), metadata calls inside the bounded view's pool thread (``bounded_call``).
+The blocked calls are let go at the end of each test, as a mount that comes back would.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.engine import core as _core
+from fastckpt.engine import writer as _writer
+from fastckpt.errors import SaveFailedError, StorageError
+from fastckpt.storage.local import LocalStorage, bounded_call
+
+from tests.distributed import run
+
+COMMIT_S = 1.5  # commit_timeout_s of these tests: the writes' and the commit's deadline
+
+
+class Hung(LocalStorage):
+    """A local root whose calls named in ``hang`` block until ``gate`` is set."""
+
+    def __init__(self, root: str, hang: tuple = ()) -> None:
+        super().__init__(root)
+        self.hang = set(hang)
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def _block(self, what: str) -> None:
+        if what in self.hang:
+            self.entered.set()
+            self.gate.wait(120)
+
+    def write_shard(self, *args, **kw):
+        self._block("write")
+        return super().write_shard(*args, **kw)
+
+    def write_gathered(self, *args, **kw):
+        self._block("write")
+        return super().write_gathered(*args, **kw)
+
+    @bounded_call("syncing the directory")
+    def sync_dir(self, path: str) -> None:
+        self._block("sync_dir")
+        return LocalStorage.sync_dir.__wrapped__(self, path)
+
+
+@pytest.fixture(autouse=True)
+def short_bounds(monkeypatch):
+    monkeypatch.setattr(_writer, "WRITE_GRACE_S", 0.5)
+    monkeypatch.setattr(_core, "STUCK_SLACK_S", 1.0)
+
+
+def state(v: float) -> dict:
+    return {"w": torch.full((1 << 18,), v), "b": torch.full((1000,), v), "step": int(v)}
+
+
+def loads(root: str, v: float) -> int:
+    got = {"w": torch.zeros(1 << 18), "b": torch.zeros(1000), "step": 0}
+    step = fastckpt.load(got, root)
+    assert torch.equal(got["w"], torch.full((1 << 18,), v)) and got["step"] == int(v)
+    return step
+
+
+@pytest.mark.parametrize("block", [False, True], ids=["async", "blocking-zero-copy"])
+def test_a_shard_write_that_never_returns_fails_the_save_by_its_deadline(tmp_path, block):
+    root = str(tmp_path / "ck")
+    st = Hung(root)
+    ck = fastckpt.Checkpointer(st, commit_timeout_s=COMMIT_S)
+    try:
+        ck.save(state(1.0), step=1, block=True)
+        st.hang.add("write")
+        s2 = state(2.0)
+        before = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s2.items()}
+        t0 = time.monotonic()
+        with pytest.raises(SaveFailedError, match="did not finish within the save's deadline") as e:
+            ck.save(s2, step=2, block=block).wait()
+        took = time.monotonic() - t0
+        assert st.entered.is_set()
+        assert took < COMMIT_S + 0.5 + 8, took  # the deadline, the grace, the commit's abort
+        cause = e.value.__cause__
+        assert isinstance(cause, StorageError) and cause.rank == 0, cause
+        assert cause.file.endswith(".fck") and "step-0000000002" in cause.file
+        assert all(torch.equal(s2[k], before[k]) if isinstance(before[k], torch.Tensor)
+                   else s2[k] == before[k] for k in before)
+        assert fastckpt.steps(root) == [1] and loads(root, 1.0) == 1
+        # the mount comes back: the stuck write returns into an aborted save, the next commits
+        st.hang.clear()
+        st.gate.set()
+        ck.save(state(3.0), step=3, block=True)
+        assert fastckpt.steps(root) == [1, 3] and loads(root, 3.0) == 3
+    finally:
+        st.gate.set()
+        ck.close()
+
+
+def test_a_directory_sync_that_never_returns_fails_the_save_naming_the_call(tmp_path):
+    """The writer thread's own metadata call (the shard files' directory fsync) runs on the
+    bounded view's pool: the save fails naming it, the writer is free for the next save."""
+    root = str(tmp_path / "ck")
+    st = Hung(root)
+    ck = fastckpt.Checkpointer(st, commit_timeout_s=COMMIT_S)
+    try:
+        ck.save(state(1.0), step=1, block=True)
+        st.hang.add("sync_dir")
+        t0 = time.monotonic()
+        with pytest.raises(SaveFailedError, match="syncing the directory did not return") as e:
+            ck.save(state(2.0), step=2).wait()
+        assert time.monotonic() - t0 < COMMIT_S + 8
+        assert "step-0000000002" in e.value.__cause__.file
+        assert fastckpt.steps(root) == [1] and loads(root, 1.0) == 1
+        st.hang.clear()
+        st.gate.set()
+        ck.save(state(3.0), step=3, block=True)
+        assert fastckpt.steps(root) == [1, 3]
+    finally:
+        st.gate.set()
+        ck.close()
+
+
+def test_close_ends_at_the_bound_while_a_write_is_still_stuck(tmp_path):
+    """The failed save is reported; its write still holds an I/O thread. ``close`` used to
+    join that thread for good; it now raises at the last save's bound (its deadlines plus the
+    slack), naming the step."""
+    root = str(tmp_path / "ck")
+    st = Hung(root, hang=("write",))
+    ck = fastckpt.Checkpointer(st, commit_timeout_s=COMMIT_S)
+    try:
+        with pytest.raises(SaveFailedError):
+            ck.save(state(1.0), step=1).wait()
+        t0 = time.monotonic()
+        with pytest.raises(StorageError, match="closing: .* step 1 .*hung mount") as e:
+            ck.close()
+        assert time.monotonic() - t0 < 3 * COMMIT_S + 1.0 + 5
+        assert "step-0000000001" in e.value.file
+        assert fastckpt.steps(root) == []
+    finally:
+        st.gate.set()
+
+
+def _two_ranks(rank: int, world: int, root: str) -> dict:
+    st = Hung(root) if rank == 1 else LocalStorage(root)
+    ck = fastckpt.Checkpointer(st, commit_timeout_s=COMMIT_S)
+    out: dict = {}
+    try:
+        ck.save(state(1.0 + rank), step=1, block=True)
+        if rank == 1:
+            st.hang.add("write")
+        t0 = time.monotonic()
+        try:
+            ck.save(state(10.0 + rank), step=2).wait()
+            out["error"] = None
+        except fastckpt.FastCkptError as e:  # rank 0: rank 1 did not report by the deadline
+            out["error"] = f"{type(e).__name__}: {e} (cause: {e.__cause__})"
+        out["took"] = time.monotonic() - t0
+        if rank == 1:
+            st.hang.clear()
+            st.gate.set()
+        ck.save(state(3.0 + rank), step=3, block=True)
+        out["steps"] = ck.steps()
+    finally:
+        if rank == 1:
+            st.gate.set()
+        ck.close()
+    return out
+
+
+def test_two_ranks_one_stuck_write_fails_the_save_on_both_naming_the_rank(tmp_path):
+    """Rank 1's shard write never returns: both ranks fail step 2 by the deadline (rank 0's
+    error names rank 1, rank 1's its stuck write), step 1 stays the newest, and step 3
+    commits once the mount answers again."""
+    root = str(tmp_path / "ck")
+    r0, r1 = run(_two_ranks, 2, root)
+    for r in (r0, r1):
+        assert r["error"] is not None and r["took"] < COMMIT_S + 0.5 + 10, r
+        assert r["steps"] == [1, 3], r
+    assert "rank(s) [1]" in r0["error"], r0["error"]
+    assert "did not finish within the save's deadline" in r1["error"], r1["error"]
