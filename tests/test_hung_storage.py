@@ -5,8 +5,9 @@ before it stay loadable, nothing the caller passed changes, and ``close`` ends t
 Simulated, and said so: nothing here can make a real mount stop answering (no NFS server, no
 FUSE tools on these machines), and a local system call blocked in the kernel cannot be
 interrupted anyway. ``Hung`` is a real LocalStorage whose chosen calls block on an event inside
-the code path they take in a save: shard writes on the engine's I/O threads (the writer bounds
-its waits for them), metadata calls inside the bounded view's pool thread (``bounded_call``).
+the code path they take: shard writes on the engine's I/O threads (the writer bounds its waits
+for them), a load's reads on its reader threads (bounded by engine/readitems.py), metadata calls
+inside the bounded view's pool thread (``bounded_call``).
 The blocked calls are let go at the end of each test, as a mount that comes back would.
 """
 
@@ -20,6 +21,9 @@ import torch
 
 import fastckpt
 from fastckpt.engine import core as _core
+from fastckpt.engine import load as _load
+from fastckpt.engine import reader as _reader
+from fastckpt.engine import readitems as _readitems
 from fastckpt.engine import writer as _writer
 from fastckpt.errors import SaveFailedError, StorageError
 from fastckpt.storage.local import LocalStorage, bounded_call
@@ -27,6 +31,7 @@ from fastckpt.storage.local import LocalStorage, bounded_call
 from tests.distributed import run
 
 COMMIT_S = 1.5  # commit_timeout_s of these tests: the writes' and the commit's deadline
+READ_S = 1.0  # a load's wait for a read or a metadata call (READ_STALL_S: 120 s)
 
 
 class Hung(LocalStorage):
@@ -51,16 +56,28 @@ class Hung(LocalStorage):
         self._block("write")
         return super().write_gathered(*args, **kw)
 
+    def read_into(self, *args, **kw):
+        self._block("read")
+        return super().read_into(*args, **kw)
+
     @bounded_call("syncing the directory")
     def sync_dir(self, path: str) -> None:
         self._block("sync_dir")
         return LocalStorage.sync_dir.__wrapped__(self, path)
+
+    @bounded_call("reading")
+    def read_bytes(self, path: str) -> bytes:
+        if path.endswith("manifest.json"):
+            self._block("manifest")
+        return LocalStorage.read_bytes.__wrapped__(self, path)
 
 
 @pytest.fixture(autouse=True)
 def short_bounds(monkeypatch):
     monkeypatch.setattr(_writer, "WRITE_GRACE_S", 0.5)
     monkeypatch.setattr(_core, "STUCK_SLACK_S", 1.0)
+    for mod in (_readitems, _load, _reader):  # a load's bound on each read and metadata call
+        monkeypatch.setattr(mod, "READ_STALL_S", READ_S)
 
 
 def state(v: float) -> dict:
@@ -188,3 +205,35 @@ def test_two_ranks_one_stuck_write_fails_the_save_on_both_naming_the_rank(tmp_pa
         assert r["steps"] == [1, 3], r
     assert "rank(s) [1]" in r0["error"], r0["error"]
     assert "did not finish within the save's deadline" in r1["error"], r1["error"]
+
+
+@pytest.mark.parametrize("where", ["read", "manifest"])
+def test_a_load_whose_read_never_returns_fails_naming_the_file(tmp_path, where):
+    """A restart on a mount that stops answering: a shard read (on a reader thread) or the
+    manifest's read (a metadata call of the load's per-call view) that never returns fails the
+    load within its bound, naming the file (and the read's offset), instead of hanging the
+    restart; once the mount answers, the same load succeeds."""
+    root = str(tmp_path / "ck")
+    with fastckpt.Checkpointer(root) as ck:
+        ck.save(state(1.0), step=1, block=True)
+    st = Hung(root, hang=(where,))
+    try:
+        got = {"w": torch.zeros(1 << 18), "b": torch.zeros(1000), "step": 0}
+        t0 = time.monotonic()
+        with pytest.raises(StorageError) as e:
+            fastckpt.load(got, st)
+        assert time.monotonic() - t0 < READ_S + 8
+        assert st.entered.is_set()
+        if where == "read":
+            assert "has not returned" in str(e.value) and e.value.file.endswith(".fck")
+            assert e.value.offset is not None and "must not be used" in str(e.value)
+        else:
+            assert "reading did not return" in str(e.value)
+            assert e.value.file.endswith("manifest.json")
+        st.hang.clear()
+        st.gate.set()
+        assert loads(root, 1.0) == 1
+        got = {"w": torch.zeros(1 << 18), "b": torch.zeros(1000), "step": 0}
+        assert fastckpt.load(got, st) == 1 and torch.equal(got["w"], torch.full((1 << 18,), 1.0))
+    finally:
+        st.gate.set()

@@ -27,6 +27,7 @@ from . import dist as _dist
 from .chunks import empty_for
 from .dtypes import tensor_meta
 from .reader import FastCkptReader
+from .readitems import READ_STALL_S
 from .state import is_dtensor, plan_load, plan_read
 
 log = logging.getLogger("fastckpt")
@@ -86,6 +87,7 @@ def load_into(storage: Storage, state: dict | None, *, step: int | None = None,
     every tensor it loads, and plain values and sub-states are put back only at the end.
     """
     group = group if group is not None else _dist.Group()
+    storage = storage.per_call(READ_STALL_S)  # (a local mount that stops answering: raises)
     own = state is not None  # first each rank reads only its own chunk index (if indexed)
     attempt = fallbacks = 0
     cur = step

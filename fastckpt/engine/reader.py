@@ -16,7 +16,6 @@ from __future__ import annotations
 import io
 import queue
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +37,7 @@ from ..storage.local import LocalStorage
 from ..storage.native import get_backend
 from ..storage.pyio import _address, _raw_view, aligned_buffer, populate
 from . import chunks as _chunks
+from .readitems import READ_STALL_S, Busy, _Direct, _Span, next_ready, stall_s
 from . import compress as _compress
 from . import device as _device
 from . import dist as _dist
@@ -65,8 +65,8 @@ class FastCkptReader(StorageReader):
         #: ``body`` holds one rank's part of an indexed step (the inline chunks and its own
         #: index's, fastckpt/manifest/index.py): only the files its chunks name are checked
         self.partial = partial
-        self.storage = (root if isinstance(root, Storage)
-                        else open_storage(str(root), storage_options=storage_options))
+        self.storage = (root if isinstance(root, Storage) else open_storage(
+            str(root), storage_options=storage_options)).per_call(READ_STALL_S)
         if body is None:
             step, step_dir, body = find_step(self.storage, step)
         assert step_dir is not None
@@ -311,6 +311,7 @@ class FastCkptReader(StorageReader):
                 loader.finish()  # unpin the ones pinned so far
             raise
         ready: queue.Queue = queue.Queue()
+        busy, bound = Busy(), stall_s(items)  # (a read that never returns: readitems.py)
         stop = threading.Event()
         abandon = threading.Event()  # the prefault thread's: a failed or abandoned load
         todo = iter(items)
@@ -327,6 +328,7 @@ class FastCkptReader(StorageReader):
                     buf = free.get()
                     if buf is None or stop.is_set():
                         return
+                busy.start(it)
                 try:
                     h = None
                     if buf is None:
@@ -342,6 +344,8 @@ class FastCkptReader(StorageReader):
                 except BaseException as e:  # noqa: BLE001 - handed to the consumer
                     ready.put((it, buf, None, e))
                     return
+                finally:
+                    busy.end()
         threads = [threading.Thread(target=reader, name=f"fastckpt-reader-{i}", daemon=True)
                    for i in range(nthreads)]
         directs = [it for it in items if isinstance(it, _Direct)]
@@ -352,7 +356,7 @@ class FastCkptReader(StorageReader):
             t.start()
         try:
             for _ in items:
-                it, buf, h, err = ready.get()
+                it, buf, h, err = next_ready(ready, busy, bound, self.step_dir, self.rank)
                 if err is not None:
                     if isinstance(err, (CorruptCheckpointError, StepRemovedError)):
                         raise err
@@ -371,8 +375,8 @@ class FastCkptReader(StorageReader):
             stop.set()
             for _ in threads:
                 free.put(None)  # unblock readers waiting for a buffer
-            for t in threads:
-                t.join()
+            for t in threads:  # (a read stuck in a hung mount keeps its thread: bounded)
+                t.join(0.0 if busy.stalled else bound)
             if loader is not None:  # every copy done before the buffers are unpinned, freed
                 loader.finish()
 
@@ -534,31 +538,6 @@ PREFAULT_SLICE = 8 << 20
 DIRECT_MIN = 1 << 20
 #: checkpoints up to this size are read through the page cache (see _read_direct_io)
 SMALL_LOAD = 64 << 20
-
-
-@dataclass
-class _Direct:
-    """A chunk read straight into its destination tensor (see FastCkptReader._direct_ok)."""
-    file: str
-    start: int
-    reqs: list  # [(read item, fqn, chunk entry, destination)]
-
-    @property
-    def length(self) -> int:
-        return int(self.reqs[0][2]["length"])
-
-
-@dataclass
-class _Span:
-    """A run of needed chunks of one file, read with one request (start is 4096-aligned)."""
-    file: str
-    start: int
-    end: int
-    chunks: list = field(default_factory=list)
-
-    @property
-    def length(self) -> int:
-        return self.end - self.start
 
 
 def _populate(directs: list[_Direct], stop: threading.Event) -> None:

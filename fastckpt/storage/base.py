@@ -62,6 +62,12 @@ class Storage(abc.ABC):
         """
         return self
 
+    def per_call(self, seconds: float) -> "Storage":
+        """A view of this storage whose metadata calls each end, or raise StorageError, within
+        ``seconds`` (a load's: it has no overall deadline). This base returns ``self``: remote
+        backends bound every call already (``op_timeout_s``). LocalStorage overrides it."""
+        return self
+
     def incomplete_uploads(self) -> list[dict]:
         """Uploads begun under the root and neither completed nor aborted (object stores'
         multipart uploads), for ``fastckpt gc``: each a dict with at least ``url`` and

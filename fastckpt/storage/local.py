@@ -13,8 +13,10 @@ Deadlines: a local disk's system calls cannot be interrupted, and a mount that s
 metadata calls (directories, listings, small files, the manifest's rename, removals) on a small
 shared pool of threads (:data:`LOCAL_THREADS`) and waits for each until the view's deadline: a
 call that has not returned by then is left to its thread and a StorageError names it, so a save
-fails by its deadline instead of hanging. Shard writes and reads run on the engine's own I/O
-threads, whose waits the writer bounds the same way (engine/writer.py).
+fails by its deadline instead of hanging. A :meth:`LocalStorage.per_call` view (a load's) bounds
+each such call by a fixed time instead. Shard writes and reads run on the engine's own I/O
+threads, whose waits the writer and the reader bound the same way (engine/writer.py,
+engine/readitems.py).
 """
 
 from __future__ import annotations
@@ -86,14 +88,17 @@ def _run_flagged(fn, *args, **kw):
 def bounded_call(what: str):
     """Decorate a LocalStorage method ``(self, path, ...)``: on a bounded view (``deadline``
     set) it runs on the shared pool and is waited for until the deadline (at least
-    :data:`FLOOR_S`); past that, StorageError naming ``what`` and the path. A call made from a
-    pool thread runs in place (no wait for a pool thread from a pool thread)."""
+    :data:`FLOOR_S`), on a per-call view (``call_s`` set) for ``call_s`` seconds; past that,
+    StorageError naming ``what`` and the path. A call made from a pool thread runs in place
+    (no wait for a pool thread from a pool thread)."""
     def deco(fn):
         @functools.wraps(fn)
         def call(self, path, *args, **kw):
-            if self.deadline is None or getattr(_on_pool, "active", False):
+            if (self.deadline is None and self.call_s is None) or getattr(
+                    _on_pool, "active", False):
                 return fn(self, path, *args, **kw)
-            bound = max(self.deadline - time.monotonic(), FLOOR_S)
+            bound = (self.call_s if self.deadline is None
+                     else max(self.deadline - time.monotonic(), FLOOR_S))
             fut = _threads().submit(_run_flagged, fn, self, path, *args, **kw)
             try:
                 return fut.result(timeout=bound)
@@ -116,8 +121,10 @@ def _fsync_dir(path: str) -> None:
 
 
 class LocalStorage(Storage):
-    #: a bounded view's deadline (``time.monotonic()``); None: calls run in place, unbounded
+    #: a bounded view's deadline (``time.monotonic()``), a per-call view's bound (seconds);
+    #: both None: calls run in place, unbounded
     deadline: float | None = None
+    call_s: float | None = None
 
     def __init__(self, root: str, *, io_mode: str = "auto", direct_io: bool = True) -> None:
         super().__init__(os.path.abspath(os.path.expanduser(root)))
@@ -135,6 +142,13 @@ class LocalStorage(Storage):
             return self
         view = copy.copy(self)
         view.deadline = deadline
+        return view
+
+    def per_call(self, seconds: float) -> "LocalStorage":
+        """A view whose metadata calls each end, or raise StorageError, within ``seconds``
+        (a load's: see the module docstring)."""
+        view = copy.copy(self)
+        view.call_s = float(seconds)
         return view
 
     def _dir_fd(self, d: str) -> int:
