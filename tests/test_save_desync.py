@@ -118,6 +118,16 @@ def test_ranks_saving_different_steps_never_pair_and_name_each_other(root):
 def _claim_times_out_on_rank_1(rank: int, world: int, root: str):
     # rank 0's first claim waits for a fresh lease of a run on another host to expire (2 s)
     # longer than rank 1 waits for the claim's answer (plan_timeout_s 1 s)
+    import json
+
+    from fastckpt.lease import LEASE
+    if rank == 0:  # the other run's fresh lease, written once both ranks are up (a rank's
+        # start-up can take longer than its 2 s: it was written before, and found expired)
+        now = time.time()
+        with open(os.path.join(root, LEASE), "w") as f:
+            json.dump({"owner": "dead-run", "host": "other-host", "pid": 1, "job": None,
+                       "acquired_unix": now, "renewed_unix": now, "ttl_s": 2}, f)
+    dist.barrier()
     ck = fastckpt.Checkpointer(root, plan_timeout_s=1, commit_timeout_s=1, lease_ttl_s=2)
     st = _state(rank)
     out = {}
@@ -133,14 +143,7 @@ def _claim_times_out_on_rank_1(rank: int, world: int, root: str):
 
 
 def test_a_root_claim_that_timed_out_on_one_rank_is_made_again_by_every_rank(root):
-    import json
-
-    from fastckpt.lease import LEASE
     os.makedirs(root)
-    now = time.time()
-    with open(os.path.join(root, LEASE), "w") as f:
-        json.dump({"owner": "dead-run", "host": "other-host", "pid": 1, "job": None,
-                   "acquired_unix": now, "renewed_unix": now, "ttl_s": 2}, f)
     r0, r1 = distributed.run(_claim_times_out_on_rank_1, 2, root, timeout=120)
     assert r1[1] == "CollectiveTimeoutError", r1  # the claim's answer came too late
     assert r0[1] != "committed"

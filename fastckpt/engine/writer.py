@@ -174,10 +174,12 @@ class Writer:
                 # (inside: a step directory or marker that cannot be made fails the save
                 # below, which still takes the staged pieces, so that a capped pool never
                 # leaves the training thread waiting for a buffer)
-                st.makedirs(d)
-                if self.rank == 0:
-                    st.publish(marker, marker_doc(plan.save_id, host=socket.gethostname(),
-                                                  pid=os.getpid()))
+                def begin() -> None:
+                    st.makedirs(d)
+                    if self.rank == 0:
+                        st.publish(marker, marker_doc(plan.save_id, host=socket.gethostname(),
+                                                      pid=os.getpid()))
+                st.run("creating the step directory and its marker", begin)  # (one hand-off)
                 # WRITE_STREAMS pieces are written at once, so one file's drain, fsync and
                 # open overlap the next file's writes and the device queue never runs dry
                 ex = self._io
@@ -496,12 +498,19 @@ class Writer:
         elif st.is_local:  # only the abandoned partial steps (a superseded save's, whose
             # ranks removed their own files already): no committed step
             parts.append(("removing abandoned partial steps", lambda: retention(None)))
-        for what, fn in parts:
-            try:
-                fn()
-            except Exception as e:  # noqa: BLE001 - committed: retried by the next save / gc
-                log.warning("fastckpt: step %d committed, but %s failed: %s (the next save or "
-                            "`fastckpt gc` finishes it)", plan.step, what, e)
+
+        def run_parts() -> None:
+            for what, fn in parts:
+                try:
+                    fn()
+                except Exception as e:  # noqa: BLE001 - committed: retried by the next save/gc
+                    log.warning("fastckpt: step %d committed, but %s failed: %s (the next save "
+                                "or `fastckpt gc` finishes it)", plan.step, what, e)
+        try:
+            st.run("the housekeeping after a commit", run_parts)  # (one hand-off for all)
+        except Exception as e:  # noqa: BLE001 - (its bound passed: a storage that hangs)
+            log.warning("fastckpt: step %d committed, but its housekeeping failed: %s (the next "
+                        "save or `fastckpt gc` finishes it)", plan.step, e)
 
 
 def _torch_version() -> str:

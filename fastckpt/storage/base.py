@@ -62,6 +62,11 @@ class Storage(abc.ABC):
         """
         return self
 
+    def run(self, what: str, fn, *args):
+        """``fn(*args)`` (calls on this storage) as one bounded call where a backend bounds its
+        calls by handing them to threads (LocalStorage); this base calls it in place."""
+        return fn(*args)
+
     def per_call(self, seconds: float) -> "Storage":
         """A view of this storage whose metadata calls each end, or raise StorageError, within
         ``seconds`` (a load's: it has no overall deadline). This base returns ``self``: remote

@@ -85,29 +85,33 @@ def _run_flagged(fn, *args, **kw):
         _on_pool.active = False
 
 
+def _hop(view: "LocalStorage", what: str, path: str, fn, *args, **kw):
+    """``fn(*args, **kw)`` under ``view``'s bound (see :func:`bounded_call`)."""
+    if (view.deadline is None and view.call_s is None) or getattr(_on_pool, "active", False):
+        return fn(*args, **kw)
+    bound = (view.call_s if view.deadline is None
+             else max(view.deadline - time.monotonic(), FLOOR_S))
+    fut = _threads().submit(_run_flagged, fn, *args, **kw)
+    try:
+        return fut.result(timeout=bound)
+    except concurrent.futures.TimeoutError:
+        fut.cancel()  # (still queued: it never runs)
+        raise StorageError(
+            f"{what} did not return within its deadline ({bound:.1f} s): the file system "
+            "stopped answering (a hung NFS mount, a failing device?); the call is left to its "
+            "thread", file=path) from None
+
+
 def bounded_call(what: str):
     """Decorate a LocalStorage method ``(self, path, ...)``: on a bounded view (``deadline``
     set) it runs on the shared pool and is waited for until the deadline (at least
     :data:`FLOOR_S`), on a per-call view (``call_s`` set) for ``call_s`` seconds; past that,
     StorageError naming ``what`` and the path. A call made from a pool thread runs in place
-    (no wait for a pool thread from a pool thread)."""
+    (no wait for a pool thread from a pool thread: see :meth:`LocalStorage.run`)."""
     def deco(fn):
         @functools.wraps(fn)
         def call(self, path, *args, **kw):
-            if (self.deadline is None and self.call_s is None) or getattr(
-                    _on_pool, "active", False):
-                return fn(self, path, *args, **kw)
-            bound = (self.call_s if self.deadline is None
-                     else max(self.deadline - time.monotonic(), FLOOR_S))
-            fut = _threads().submit(_run_flagged, fn, self, path, *args, **kw)
-            try:
-                return fut.result(timeout=bound)
-            except concurrent.futures.TimeoutError:
-                fut.cancel()  # (still queued: it never runs)
-                raise StorageError(
-                    f"{what} did not return within its deadline ({bound:.1f} s): the file "
-                    "system stopped answering (a hung NFS mount, a failing device?); the call "
-                    "is left to its thread", file=path) from None
+            return _hop(self, what, path, fn, self, path, *args, **kw)
         return call
     return deco
 
@@ -143,6 +147,12 @@ class LocalStorage(Storage):
         view = copy.copy(self)
         view.deadline = deadline
         return view
+
+    def run(self, what: str, fn, *args):
+        """``fn(*args)``, a sequence of calls on this view, as one bounded call: one pool
+        thread runs them all in place (a save's housekeeping: a dozen calls, one hand-off of
+        about 70 us instead of one each), within the view's bound."""
+        return _hop(self, what, self.root, fn, *args)
 
     def per_call(self, seconds: float) -> "LocalStorage":
         """A view whose metadata calls each end, or raise StorageError, within ``seconds``
