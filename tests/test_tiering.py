@@ -292,6 +292,42 @@ def _tiered_resume(rank, world, local, remote):
                                                        _sharded(world, 1)["w"].full_tensor())
 
 
+def _flip_middle(data: bytes) -> bytes:
+    i = len(data) // 2  # a byte of w (the padding is not read by a load)
+    return data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:]
+
+
+def test_a_step_damaged_in_every_tier_resumes_from_the_newest_older_step(tmp_path, s3, caplog):
+    """Step 3 is damaged in both tiers (a flipped byte in the local shard and in the remote
+    object), step 4 exists only locally (its upload never happened) and is damaged too: a
+    resume loads step 2, the newest older step, with a warning for each, as a plain root's
+    load does (before 2026-12-06 every restart of a tiered job failed on it). A step asked for
+    by number still raises."""
+    local, url = str(tmp_path / "fb"), s3.url("fb")
+    with fastckpt.Checkpointer(local, remote=url, storage_options=_opts(s3)) as ck:
+        for step in (2, 3):
+            ck.save(_state(step), step=step, block=True).wait_remote(timeout=60)
+    fastckpt.save(_state(4), local, step=4)  # local only
+    for step in (3, 4):
+        d = os.path.join(local, f"step-{step:010d}")
+        shard = next(os.path.join(d, n) for n in os.listdir(d) if n.endswith(".fck"))
+        with open(shard, "rb") as f:
+            data = f.read()
+        with open(shard, "wb") as f:
+            f.write(_flip_middle(data))
+    key = next(k for k in s3.keys("fb/step-0000000003") if k.endswith(".fck"))
+    s3.fs.pipe_file(s3.path(key), _flip_middle(s3.fs.cat_file(s3.path(key))))
+    with fastckpt.Checkpointer(local, remote=url, storage_options=_opts(s3)) as ck:
+        dest = _dest()
+        assert ck.resume(dest) == 2 and ck.last_load["tier"] == "local"
+        assert torch.equal(dest["w"], _state(2)["w"]) and dest["step"] == 2
+        with pytest.raises(fastckpt.CorruptCheckpointError):
+            ck.load(_dest(), step=3)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("step 4 does not load from any tier" in m for m in msgs), msgs
+    assert any("step 3 does not load from any tier" in m for m in msgs), msgs
+
+
 def test_a_chunk_damaged_for_one_rank_only_is_loaded_from_the_remote_tier(tmp_path):
     # rank 1's rows are damaged locally: rank 1 reads a bad checksum, rank 0 hears of it.
     # Before 2026-12-06 rank 0 raised a plain FastCkptError (no fallback) while rank 1 went

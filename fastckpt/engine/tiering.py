@@ -42,8 +42,10 @@ Call sequence of one upload (``Tier``; "uploader": one background thread per Che
 Resume (``Tier.load``, engine/tierload.py): every rank reports the newest committed step of
 each tier; the newest step of either tier is loaded, from the local root when every rank has
 it there (faster), else from the remote root; a local copy that fails to load (a damaged or
-missing shard) is loaded from the remote tier instead. ``last_load`` says which tier it came
-from. A tier that could not be listed fails the resume by name (the newest step is unknown).
+missing shard) is loaded from the remote tier instead, and a step damaged in every tier that
+holds it makes a resume load the newest older step of either tier (3 steps back at most).
+``last_load`` says which tier it came from. A tier that could not be listed fails the resume
+by name (the newest step is unknown).
 
 Limits: the local root is one file system every rank of the job sees (one node's NVMe, or a
 shared file system), as for an untiered root. Node-local disks of a multi-node job are not a

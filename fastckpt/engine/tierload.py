@@ -14,7 +14,11 @@ Call sequence of ``load_tiers`` (all ranks):
    rank: "no checkpoint" from a store that did not answer would start the job from scratch,
    and its saves would then replace the remote tier's newer steps;
 4. the step is loaded from the local root when every rank has it there (faster), else from
-   the remote root; a local copy that fails to load is loaded from the remote tier instead.
+   the remote root; a local copy that fails to load is loaded from the remote tier instead;
+5. a resume (the newest step, ``strict``) whose step is damaged in every tier that holds it
+   (``CorruptCheckpointError``, raised alike on every rank) starts again at 1 with the newest
+   step older than it, with a warning (``LOAD_ATTEMPTS`` steps in all), as a plain root's load
+   does; a step asked for by number and ``read()`` raise.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from ..manifest.discovery import find_step
 from ..storage import Storage
-from .load import IndexSelector, load_into
+from .load import LOAD_ATTEMPTS, IndexSelector, _newest_below, load_into
 
 log = logging.getLogger("fastckpt")
 
@@ -34,6 +38,25 @@ def load_tiers(tier: Any, state: dict | None, *, step: int | None, verify: bool,
                timeout_s: float) -> tuple[int, dict]:
     """(all ranks) Load the newest committed step of either tier of ``tier`` (a
     ``tiering.Tier``), or ``step``; set ``tier.last_load``."""
+    below = None
+    for attempt in range(1, LOAD_ATTEMPTS + 1):
+        try:
+            return _load_tiers(tier, state, step=step, verify=verify, strict=strict,
+                               timeout_s=timeout_s, below=below)
+        except CorruptCheckpointError as e:  # (every rank alike: see load_into)
+            failed = getattr(e, "tier_step", None)
+            if (step is not None or state is None or not strict or failed is None
+                    or attempt == LOAD_ATTEMPTS):
+                raise
+            below = failed
+            log.warning("fastckpt: step %d does not load from any tier (%s); loading the "
+                        "newest older committed step", failed, e)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _load_tiers(tier: Any, state: dict | None, *, step: int | None, verify: bool,
+                strict: bool, timeout_s: float, below: int | None) -> tuple[int, dict]:
+    """One pass of ``load_tiers``; ``below``: the newest step older than it (a fallback)."""
     from .tiering import remote_display
     engine = tier.engine
     group = engine.group
@@ -44,8 +67,8 @@ def load_tiers(tier: Any, state: dict | None, *, step: int | None, verify: bool,
     own = (IndexSelector(state, group.rank, group.world_size, strict)
            if state is not None else None)
     while True:
-        (local, d1, e1), (remote, d2, e2) = (_newest(engine.storage, step, own),
-                                             _newest(tier.storage, step, own))
+        (local, d1, e1), (remote, d2, e2) = (_newest(engine.storage, step, own, below),
+                                             _newest(tier.storage, step, own, below))
         mine = {"local": local, "remote": remote, "damaged": d1 or d2,
                 "errors": [f"{t} tier: {e}" for t, e in (("local", e1), ("remote", e2)) if e]}
         seen = group.decide(mine, _tiers_seen, timeout_s=timeout_s,
@@ -82,6 +105,8 @@ def load_tiers(tier: Any, state: dict | None, *, step: int | None, verify: bool,
                             group=group, timeout_s=timeout_s)
         except (CorruptCheckpointError, StorageError) as e:
             if i + 1 == len(order):
+                if isinstance(e, CorruptCheckpointError):
+                    e.tier_step = best  # type: ignore[attr-defined]  # (for load_tiers)
                 raise
             log.warning("fastckpt: rank %d: step %d did not load from the %s tier (%s); "
                         "loading it from the %s tier", tier.rank, best, name, e,
@@ -96,14 +121,16 @@ def load_tiers(tier: Any, state: dict | None, *, step: int | None, verify: bool,
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _newest(st: Storage, step: int | None, own: Any = None
+def _newest(st: Storage, step: int | None, own: Any = None, below: int | None = None
             ) -> tuple[int | None, bool, str | None]:
-    """The newest committed step of a tier (or ``step`` if committed there), else None;
-    whether a damaged step was passed over; the error of a listing that failed (then the
-    step is unknown, not absent). ``own``: see ``find_step`` (of an indexed step, only the
-    indexes the load's ``IndexSelector`` names are read)."""
+    """The newest committed step of a tier (or ``step`` if committed there; or the newest
+    older than ``below``), else None; whether a damaged step was passed over; the error of a
+    listing that failed (then the step is unknown, not absent). ``own``: see ``find_step``
+    (of an indexed step, only the indexes the load's ``IndexSelector`` names are read)."""
     skipped: list = []
     try:
+        if below is not None:
+            return _newest_below(st, below), False, None
         return find_step(st, step, skipped=skipped, own=own)[0], bool(skipped), None
     except CheckpointNotFoundError:
         return None, False, None
