@@ -386,6 +386,12 @@ def test_resume_damaged_newest_manifest(roots, capsys, tmp_path):
     rc, out, err = call("resume", roots["corrupt"], capsys=capsys)
     assert rc == 0 and out.split()[0] == "200"
     assert "damaged" in err and fmt.step_dirname(300) in err and fmt.MANIFEST in err
+    # the real command says it once (before 2026-12-06: the library's log line, then the CLI's)
+    r = subprocess.run([FASTCKPT, "resume", roots["corrupt"]], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.split()[0] == "200", r
+    said = [ln for ln in r.stderr.splitlines() if fmt.step_dirname(300) in ln]
+    assert len(said) == 1 and "damaged" in said[0], r.stderr
     rc, out, _ = call("resume", roots["corrupt"], "--json", capsys=capsys)
     doc = json.loads(out)
     assert rc == 0 and doc["step"] == 200 and fmt.step_dirname(300) in doc["skipped_damaged"][0]

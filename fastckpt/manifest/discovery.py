@@ -163,12 +163,13 @@ def is_missing(e: BaseException) -> bool:
 
 
 def find_step(storage: Storage, step: int | None = None, *,
-              skipped: list | None = None,
+              skipped: list | None = None, warn: bool = True,
               own: Own = None, chunks: bool | str = True) -> tuple[int, str, dict]:
     """The requested step, or the newest step with a valid manifest.
 
     ``step=None``: a step whose manifest is damaged is skipped with a warning naming it (and
-    appended to ``skipped``) so that one bad step never stops a resume; CorruptCheckpointError
+    appended to ``skipped``; ``warn=False``: no warning, the caller reports ``skipped``) so
+    that one bad step never stops a resume; CorruptCheckpointError
     only when damaged manifests are all there is. The ``latest`` hint is not consulted: the
     listing decides. Safe against a writer committing and removing steps meanwhile (retention
     after each commit): a pass newest-first that finds nothing is confirmed by a pass
@@ -216,8 +217,9 @@ def find_step(storage: Storage, step: int | None = None, *,
         if hit is not None:
             newer = sorted(s for s in bad if s > hit[0])
             for s in newer:
-                log.warning("fastckpt: skipping step %d, its manifest is damaged (%s); the "
-                            "newest valid step is %d", s, bad[s], hit[0])
+                if warn:
+                    log.warning("fastckpt: skipping step %d, its manifest is damaged (%s); "
+                                "the newest valid step is %d", s, bad[s], hit[0])
                 if skipped is not None:
                     skipped.append(bad[s])
             return hit

@@ -245,7 +245,8 @@ def newest_committed(root: str | Storage, *, skipped: list | None = None
                      ) -> tuple[int, str, dict]:
     """(step, step directory, manifest body) of what a resume loads: the newest step with a
     valid manifest (the engine's rule, :func:`fastckpt.reader.find_step`; newer steps with a
-    damaged manifest are skipped and their errors appended to ``skipped``). Raises
+    damaged manifest are skipped and their errors appended to ``skipped``, then not logged:
+    the caller reports them). Raises
     CheckpointNotFoundError when there is none and CorruptCheckpointError when every manifest
     is damaged.
 
@@ -253,7 +254,7 @@ def newest_committed(root: str | Storage, *, skipped: list | None = None
     read (``chunks="listed"``: the body has no chunks): N index reads per call at N ranks
     would put minutes before every restart. A load checks the contents of those it reads
     and, finding one damaged, loads the step before on every rank together."""
-    return find_step(as_storage(root), skipped=skipped, chunks="listed")
+    return find_step(as_storage(root), skipped=skipped, warn=skipped is None, chunks="listed")
 
 
 def step_data_bytes(body: dict) -> int:
