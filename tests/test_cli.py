@@ -517,3 +517,28 @@ def test_sizes_and_grace():
     assert g["write_s"] == 100 and g["safety_s"] == 31.25 and g["seconds"] == 157
     assert g["slurm_signal"] == "--signal=USR1@157"
     assert g["k8s_termination_grace_period_seconds"] == 157
+
+
+def test_a_root_that_cannot_be_listed_fails_at_the_first_listing(monkeypatch, capsys, tmp_path):
+    """A store that does not answer costs one bound, not two: the CLI's first look at ROOT
+    (its DCP check) fails the command with exit 4 naming the root; before 2026-12-06 the
+    error was swallowed there and the command listed again (ls on a silent s3:// root: 240 s
+    instead of 120 s). Simulated: a local root whose listing raises, counted."""
+    from fastckpt.errors import StorageError
+    from fastckpt.storage.local import LocalStorage
+    listings = []
+
+    class Unlistable(LocalStorage):
+        def listdir(self, path):
+            listings.append(path)
+            raise StorageError("listing timed out after 120 s (simulated)", file=path)
+
+        sizes = listdir
+
+    monkeypatch.setattr(tools, "as_storage", lambda root, **kw: Unlistable(str(root)))
+    os.makedirs(tmp_path / "r")
+    for cmd in ("ls", "resume", "gc"):
+        listings.clear()
+        rc, out, err = call(cmd, str(tmp_path / "r"), capsys=capsys)
+        assert len(listings) == 1, (cmd, listings)
+        assert rc == 4 and "cannot list" in err and "timed out" in err, (cmd, rc, err)

@@ -131,6 +131,7 @@ def _storage(root: str, *, must_exist: bool = False):
     """The storage of ROOT. A step directory, or a DCP checkpoint, given as ROOT is a usage
     error (exit 2: a job script must not take it for "no checkpoint, start fresh"); ``must_exist``: a local ROOT
     that does not exist is reported (exit 3) instead of listed as empty (a mistyped path)."""
+    from ..errors import StorageError
     from ..manifest.discovery import dcp_hint, looks_like_step_dir
     from ..tools import as_storage
     try:
@@ -143,7 +144,11 @@ def _storage(root: str, *, must_exist: bool = False):
     if parent is not None:
         raise CliError(f"{root} is a step directory, not a checkpoint root", EXIT_USAGE,
                        hint=f"give its parent: {parent}")
-    dcp = dcp_hint(storage)
+    try:
+        dcp = dcp_hint(storage, listing_errors=True)
+    except StorageError as e:  # (the command would list it again: a second full bound)
+        raise CliError(f"cannot list {root}: {e}", EXIT_STORAGE,
+                       hint="retry when the storage answers") from None
     if dcp is not None:  # never "nothing committed, start fresh" over a run's DCP checkpoints
         raise CliError(f"{root}: {dcp}", EXIT_USAGE)
     if must_exist and storage.is_local and not os.path.exists(storage.root):

@@ -280,18 +280,21 @@ def _is_dcp_dir(names: list[str]) -> bool:
     return DCP_METADATA in names and any(_DCP_DATA.fullmatch(n) for n in names)
 
 
-def dcp_hint(storage: Storage) -> str | None:
+def dcp_hint(storage: Storage, *, listing_errors: bool = False) -> str | None:
     """When the root is a DCP checkpoint directory (``torch.distributed.checkpoint``'s
     ``.metadata`` and ``__R_N.distcp`` files), or holds DCP checkpoints in ``step-N``
     subdirectories (torchtitan's layout; the newest three are looked at): what to run
     instead, for the "no committed checkpoint" message. None otherwise, or when the root
-    cannot be listed."""
+    cannot be listed (``listing_errors``: then the StorageError is raised: the CLI's first
+    look at a root, so that a store that does not answer costs one bound, not two)."""
     root = storage.root.rstrip("/") or "/"
     disp = getattr(storage, "display", None)
     show = (lambda p: disp(p)) if callable(disp) else (lambda p: p)  # noqa: E731
     try:
         names = storage.listdir(root)
     except StorageError:
+        if listing_errors:
+            raise
         return None
     if _is_dcp_dir(names):
         return ("it is a DCP checkpoint (torch.distributed.checkpoint); run "
