@@ -13,6 +13,7 @@ The blocked calls are let go at the end of each test, as a mount that comes back
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.engine import core as _core
+from fastckpt.engine import handle as _handle
 from fastckpt.engine import load as _load
 from fastckpt.engine import reader as _reader
 from fastckpt.engine import readitems as _readitems
@@ -42,6 +43,8 @@ class Hung(LocalStorage):
         self.hang = set(hang)
         self.gate = threading.Event()
         self.entered = threading.Event()
+        self.before_write = None  # called before each shard write (a test's interleaving)
+        self.write_s = 0.0  # each shard write takes this long (a slow disk that answers)
 
     def _block(self, what: str) -> None:
         if what in self.hang:
@@ -49,11 +52,24 @@ class Hung(LocalStorage):
             self.gate.wait(120)
 
     def write_shard(self, *args, **kw):
+        if self.before_write is not None:
+            self.before_write()
         self._block("write")
+        time.sleep(self.write_s)
         return super().write_shard(*args, **kw)
 
-    def write_gathered(self, *args, **kw):
+    @bounded_call("publishing")
+    def publish(self, path: str, data: bytes, *, durable: bool = True) -> None:
+        name = path.rsplit("/", 1)[-1]
+        self._block({"manifest.json": "publish_manifest", "latest": "publish_latest"}.get(
+            name, "publish"))
+        return LocalStorage.publish.__wrapped__(self, path, data, durable=durable)
+
+    def write_gathered(self, *args, **kw):  # (a blocking save's zero-copy writes)
+        if self.before_write is not None:
+            self.before_write()
         self._block("write")
+        time.sleep(self.write_s)
         return super().write_gathered(*args, **kw)
 
     def read_into(self, *args, **kw):
@@ -75,7 +91,10 @@ class Hung(LocalStorage):
 @pytest.fixture(autouse=True)
 def short_bounds(monkeypatch):
     monkeypatch.setattr(_writer, "WRITE_GRACE_S", 0.5)
-    monkeypatch.setattr(_core, "STUCK_SLACK_S", 1.0)
+    monkeypatch.setattr(_writer, "WRITE_STALL_S", 0.5)  # (a write's own allowance: 120 s)
+    monkeypatch.setattr(_writer, "MIN_WRITE_BPS", 1 << 40)
+    monkeypatch.setattr(_writer, "CLOSE_MIN_S", 0.5)
+    monkeypatch.setattr(_handle, "STUCK_SLACK_S", 1.0)
     for mod in (_readitems, _load, _reader):  # a load's bound on each read and metadata call
         monkeypatch.setattr(mod, "READ_STALL_S", READ_S)
 
@@ -102,7 +121,7 @@ def test_a_shard_write_that_never_returns_fails_the_save_by_its_deadline(tmp_pat
         s2 = state(2.0)
         before = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s2.items()}
         t0 = time.monotonic()
-        with pytest.raises(SaveFailedError, match="did not finish within the save's deadline") as e:
+        with pytest.raises(SaveFailedError, match="did not finish within its bound") as e:
             ck.save(s2, step=2, block=block).wait()
         took = time.monotonic() - t0
         assert st.entered.is_set()
@@ -158,7 +177,7 @@ def test_close_ends_at_the_bound_while_a_write_is_still_stuck(tmp_path):
         with pytest.raises(SaveFailedError):
             ck.save(state(1.0), step=1).wait()
         t0 = time.monotonic()
-        with pytest.raises(StorageError, match="closing: .* step 1 .*hung mount") as e:
+        with pytest.raises(StorageError, match=r"closing: .*step 1\).*hung mount") as e:
             ck.close()
         assert time.monotonic() - t0 < 3 * COMMIT_S + 1.0 + 5
         assert "step-0000000001" in e.value.file
@@ -168,6 +187,9 @@ def test_close_ends_at_the_bound_while_a_write_is_still_stuck(tmp_path):
 
 
 def _two_ranks(rank: int, world: int, root: str) -> dict:
+    # (this process's bounds: the fixture set the parent's only)
+    _writer.WRITE_GRACE_S, _writer.WRITE_STALL_S, _writer.MIN_WRITE_BPS = 0.5, 0.5, 1 << 40
+    _writer.CLOSE_MIN_S, _handle.STUCK_SLACK_S = 0.5, 1.0
     st = Hung(root) if rank == 1 else LocalStorage(root)
     ck = fastckpt.Checkpointer(st, commit_timeout_s=COMMIT_S)
     out: dict = {}
@@ -204,7 +226,7 @@ def test_two_ranks_one_stuck_write_fails_the_save_on_both_naming_the_rank(tmp_pa
         assert r["error"] is not None and r["took"] < COMMIT_S + 0.5 + 10, r
         assert r["steps"] == [1, 3], r
     assert "rank(s) [1]" in r0["error"], r0["error"]
-    assert "did not finish within the save's deadline" in r1["error"], r1["error"]
+    assert "did not finish within its bound" in r1["error"], r1["error"]
 
 
 @pytest.mark.parametrize("where", ["read", "manifest"])
@@ -237,3 +259,110 @@ def test_a_load_whose_read_never_returns_fails_naming_the_file(tmp_path, where):
         assert fastckpt.load(got, st) == 1 and torch.equal(got["w"], torch.full((1 << 18,), 1.0))
     finally:
         st.gate.set()
+
+
+def test_close_after_a_long_finished_save_does_not_blame_a_hung_mount(tmp_path):
+    """A save that committed long ago (past its bound) and a healthy root: close releases
+    everything and raises nothing; the root can be opened again at once (the lease is
+    released)."""
+    root = str(tmp_path / "ck")
+    ck = fastckpt.Checkpointer(root, commit_timeout_s=COMMIT_S)
+    h = ck.save(state(1.0), step=1, block=True)
+    h.bound = time.monotonic() - 10  # (as if the job trained for an hour since)
+    ck.close()
+    with fastckpt.Checkpointer(root) as again:
+        again.save(state(2.0), step=2, block=True)
+    assert fastckpt.steps(root) == [1, 2]
+
+
+def test_a_manifest_rename_left_to_its_thread_never_lands_after_the_failure(tmp_path):
+    """The manifest's publish does not return in time: the save fails and every rank removes
+    its shards; when the mount answers again, the rename must not happen (it would commit a
+    step whose shards are gone: every restart would fail on it). The newest step stays 1."""
+    root = str(tmp_path / "ck")
+    st = Hung(root)
+    ck = fastckpt.Checkpointer(st, commit_timeout_s=COMMIT_S)
+    try:
+        ck.save(state(1.0), step=1, block=True)
+        st.hang.add("publish_manifest")
+        with pytest.raises(fastckpt.FastCkptError, match="publishing"):
+            ck.save(state(2.0), step=2, block=True)
+        st.hang.clear()
+        st.gate.set()
+        time.sleep(0.5)  # (the released call reaches its commit point)
+        assert fastckpt.steps(root) == [1]
+        assert loads(root, 1.0) == 1
+        ck.save(state(3.0), step=3, block=True)
+        assert fastckpt.steps(root) == [1, 3]
+    finally:
+        st.gate.set()
+        ck.close()
+
+
+def test_housekeeping_left_to_its_thread_never_removes_the_next_saves_files(tmp_path):
+    """Step 2's housekeeping (its ``latest`` hint first) does not return in time: the save
+    is committed and the writer goes on. The mount answers while step 3 is being written: the
+    abandoned housekeeping must stop, not remove step 3's files as an abandoned partial step
+    (before the fix it did: step 3 failed, or a committed step was removed)."""
+    root = str(tmp_path / "ck")
+    st = Hung(root)
+    ck = fastckpt.Checkpointer(st, commit_timeout_s=COMMIT_S)
+    try:
+        ck.save(state(1.0), step=1, block=True)
+        st.hang.add("publish_latest")
+        ck.save(state(2.0), step=2, block=True)  # committed; its housekeeping is held
+        assert st.entered.is_set() and fastckpt.steps(root) == [1, 2]
+        st.hang.clear()
+
+        def release():  # once, as step 3's first shard is written
+            st.before_write = None
+            st.gate.set()
+            time.sleep(0.5)  # (the abandoned pass runs: its listing sees step 3 partial)
+        st.before_write = release
+        ck.save(state(3.0), step=3, block=True)
+        assert fastckpt.steps(root) == [1, 2, 3] and loads(root, 3.0) == 3
+    finally:
+        st.gate.set()
+        ck.close()
+
+
+def test_calls_stuck_on_one_mount_leave_other_roots_working(tmp_path):
+    """Six calls stuck on root A hold six threads; a call on a healthy root B still runs
+    (the pool grows; before, four stuck calls made every other root's calls time out,
+    blaming B)."""
+    a, b = Hung(str(tmp_path / "a"), hang=("sync_dir",)), LocalStorage(str(tmp_path / "b"))
+    os.makedirs(a.root)
+    os.makedirs(b.root)
+    errors = []
+
+    def stuck():
+        try:
+            a.bounded(time.monotonic() + 30).sync_dir(a.root)
+        except StorageError as e:
+            errors.append(e)
+    threads = [threading.Thread(target=stuck, daemon=True) for _ in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        assert b.bounded(time.monotonic() + 3).listdir(b.root) == []
+        assert time.monotonic() - t0 < 2
+    finally:
+        a.gate.set()
+        for t in threads:
+            t.join(10)
+    assert errors == []  # (released before their bound)
+
+
+def test_a_slow_disk_that_answers_still_commits(tmp_path, monkeypatch):
+    """Each shard write takes 2.5 s, past the save's write deadline (commit_timeout_s=1):
+    the write's own allowance (WRITE_STALL_S + its bytes at MIN_WRITE_BPS) covers it, and the
+    save commits (a slow disk is not a hung one)."""
+    monkeypatch.setattr(_writer, "WRITE_STALL_S", 10.0)
+    root = str(tmp_path / "ck")
+    st = Hung(root)
+    st.write_s = 2.5
+    with fastckpt.Checkpointer(st, commit_timeout_s=1.0) as ck:
+        ck.save(state(1.0), step=1, block=True)
+    assert fastckpt.steps(root) == [1] and loads(root, 1.0) == 1

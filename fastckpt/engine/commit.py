@@ -199,6 +199,13 @@ def publish_checked(st: Storage, storage: Storage, path: str, data: bytes, save_
         return
     except Exception as e:
         error = e
+    if getattr(error, "outcome_unknown", False):  # a local rename left to its thread under
+        # way (storage/bounded.py): it may land after any read-back, so the files stay
+        raise CommitTimeoutError(
+            f"writing the manifest {path} did not finish in time and may still land ({error}): "
+            f"whether step {step} is committed is unknown; every rank keeps its files "
+            "(`fastckpt ls` tells, `fastckpt gc` removes them if not)",
+            outcome_unknown=True) from error
     d = path.rsplit("/", 1)[0]
     try:
         body = read_manifest(storage.bounded(time.monotonic() + READ_BACK_S), d, step=step,

@@ -43,8 +43,7 @@ from typing import Any, Callable
 
 import xxhash
 
-from ..errors import (CheckpointNotFoundError, FastCkptError, StorageError,
-                      UnsupportedStateError)
+from ..errors import CheckpointNotFoundError, FastCkptError, UnsupportedStateError
 from ..lease import WriterLease
 from ..manifest import schema as fmt
 from ..manifest.discovery import committed_steps, find_step
@@ -53,7 +52,7 @@ from ..storage import Storage, open_storage
 from ..storage.native import get_backend
 from . import device as _device
 from . import dist as _dist
-from .handle import STUCK_SLACK_S, SaveHandle
+from .handle import SaveHandle
 from .load import load_into
 from .claim import raise_setup_errors, setup_failures
 from .plan import PlanExchange, local_chunks
@@ -289,8 +288,8 @@ class Engine:
             self._pool.prepare([p.size for p in plan.pieces], self.options.staging_cap_bytes,
                                pinner=stager)
         step_dir = self.storage.join(fmt.step_dirname(step))
-        handle = SaveHandle(step, step_dir, bound=STUCK_SLACK_S + (
-            time.monotonic() + 3 * self.options.commit_timeout_s if deadline is None else deadline))
+        handle = SaveHandle(step, step_dir,
+                            bound=self._writer.stuck_bound(plan.file_size, deadline))
         handle.earlier_failure = earlier
         job = Job(plan, handle, step_dir, user_meta=user_meta, t0=t0, deadline=deadline,
                   compress=compress)
@@ -574,17 +573,15 @@ class Engine:
         except Exception:  # noqa: BLE001
             pass
         last = self._last
-        if not self._writer.close(until=last.bound if last is not None else None):
-            raise StorageError(  # (nothing else is released: a stuck write still uses it)
-                f"closing: the save of step {last.step} is still held past its deadlines by a "
-                "write or file-system call that does not return (a hung mount?); its outcome "
-                "is unknown, the steps committed before it are untouched", file=last.path)
+        stuck = self._writer.close_for(last)  # (a StorageError: a write that does not return)
         if self._tier is not None:  # the queued uploads, each bounded by its deadline
             self._tier.close()
         if self._lease is not None:  # after the last commit
             self._lease.release()
             self._lease = None
         self._compression.close()
+        if stuck is not None:  # (the staging buffers stay: a stuck write may still read them)
+            raise stuck
         self._pool.close()  # unpinned before they are freed
         if self._stager is not None:
             self._stager.close()

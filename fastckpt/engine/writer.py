@@ -47,6 +47,7 @@ from ..retention import apply_retention
 from ..storage import Storage
 from ..storage.threads import Threads
 from . import dist as _dist
+from . import handle as _handle
 from .commit import commit, publish_checked
 from .handle import SaveHandle
 from .plan import SavePlan
@@ -56,9 +57,15 @@ log = logging.getLogger("fastckpt")
 
 WRITE_STREAMS = 2  # shard files written at once by one rank
 DISCARD_S = 10.0  # removing a failed save's files from a remote store, at most
-#: how long past the write deadline a shard write is waited for (a remote store's own bound,
-#: at the deadline, reports first; past this, a write that has not returned fails the save)
+#: how long past its bound a shard write is waited for (a remote store's own bound, at the
+#: deadline, reports first; past this, a write that has not returned fails the save)
 WRITE_GRACE_S = 5.0
+#: the least time ``close`` gives the writer's threads to stop
+CLOSE_MIN_S = 5.0
+#: a shard write is given at least this long plus its bytes at MIN_WRITE_BPS (a healthy slow
+#: disk), whatever the save's write deadline: the remote backends' per-call bound
+WRITE_STALL_S = 120.0
+MIN_WRITE_BPS = 8 << 20
 _SENTINEL = object()
 
 
@@ -82,6 +89,7 @@ class Job:
     manifest: bytes | None = None  # (coordinator) the manifest's bytes, once committed
     upload: bool = False  # hand it to the remote tier once committed (the plan decided)
     compress: bool = False  # encode the pieces (engine/compress.py)
+    write_deadline: float = 0.0  # (monotonic) the write phase's, set by the writer
 
 
 class Writer:
@@ -139,6 +147,21 @@ class Writer:
             self._io = None
         return ok
 
+    def close_for(self, last: Any) -> StorageError | None:
+        """``close``, waiting for the last save (a ``SaveHandle``, or None) until its bound
+        (at least CLOSE_MIN_S; a save that is over: CLOSE_MIN_S, for the threads to stop);
+        the error to raise when a thread was still held then (None: all stopped)."""
+        now = time.monotonic()
+        until = (None if last is None else now + CLOSE_MIN_S if last.done()
+                 else max(last.bound or now, now + CLOSE_MIN_S))
+        if self.close(until):
+            return None
+        return StorageError(
+            f"closing: a write or file-system call of this checkpointer's saves (the last: step "
+            f"{last.step}) has not returned past its bound (a hung mount?); the steps committed "
+            "before it are untouched, the writer lease is released, its thread keeps running "
+            "until the call returns", file=last.path)
+
     def _run(self) -> None:
         while True:
             job = self.queue.get()
@@ -161,6 +184,7 @@ class Writer:
         write_deadline = time.monotonic() + self.options.commit_timeout_s
         if job.deadline is not None:
             write_deadline = min(write_deadline, job.deadline)
+        job.write_deadline = write_deadline
         st = self.storage.bounded(write_deadline)
         marker = f"{d}/{marker_name(plan.save_id)}"
         result: dict[str, Any]
@@ -196,12 +220,13 @@ class Writer:
                                             "by a newer save, or its call was interrupted); "
                                             "nothing was committed")
                     while len(pending) >= streams or (pending and pending[0][0].done()):
-                        files.append(self._result(pending.popleft(), plan, write_deadline))
+                        files.append(self._result(pending.popleft(), plan))
                     pending.append((ex.submit(self._write_piece, st, d, plan, piece, buf,
                                               hashes, ready, job.compress),
-                                    f"{d}/{fmt.shard_name(self.rank, plan.save_id, piece.index)}"))
+                                    f"{d}/{fmt.shard_name(self.rank, plan.save_id, piece.index)}",
+                                    self._write_bound(piece.size, job)))
                 while pending:
-                    files.append(self._result(pending.popleft(), plan, write_deadline))
+                    files.append(self._result(pending.popleft(), plan))
                 files.sort(key=lambda f: f["piece"])
                 st.sync_dir(d)  # the files' entries, once for all of them
                 if plan.indexed:  # then the chunk list, durably (fsync, rename, dir fsync)
@@ -214,8 +239,8 @@ class Writer:
                 # after a failure: the writes under way end first (each bounded by the save's
                 # deadline; they release their own buffers), then the pieces still coming are
                 # taken, so a capped pool never leaves the training thread waiting for a buffer
-                wait_all([f for f, _ in pending],
-                         timeout=max(write_deadline - time.monotonic(), 0.0) + WRITE_GRACE_S)
+                wait_all([f for f, _, _ in pending], timeout=max(
+                    [b - time.monotonic() for _, _, b in pending] + [0.0]))
                 while remaining:
                     piece, buf, _, ready = job.pieces.get()
                     remaining = 0 if piece is None else remaining - 1
@@ -286,22 +311,46 @@ class Writer:
         for cb in self.on_committed:
             cb(job)
 
-    def _result(self, pending: tuple, plan: SavePlan, deadline: float) -> dict:
-        """A shard write's entries (raising its error), waited for until the save's write
-        deadline (plus :data:`WRITE_GRACE_S`, so that a remote store's own bound reports first):
-        a write into a file system that stopped answering fails the save, naming the file, and
-        is left to its thread (local system calls cannot be interrupted)."""
-        fut, path = pending
-        bound = max(deadline - time.monotonic(), 0.0) + WRITE_GRACE_S
+    def _write_bound(self, nbytes: int, job: Job) -> float:
+        """(``time.monotonic()``) until when a shard write of ``nbytes`` just submitted is
+        waited for: the save's write deadline, or, when later, :data:`WRITE_STALL_S` plus its
+        bytes at :data:`MIN_WRITE_BPS` (a slow disk that answers finishes a large shard past
+        the phase's deadline); an emergency save's: its deadline. Then
+        :data:`WRITE_GRACE_S`, so that a remote store's own bound reports first."""
+        now = time.monotonic()
+        end = job.write_deadline
+        if job.deadline is None:
+            end = max(end, now + WRITE_STALL_S + nbytes / MIN_WRITE_BPS)
+        return end + WRITE_GRACE_S
+
+    def stuck_bound(self, nbytes: int, deadline: float | None) -> float:
+        """(training thread, a save of ``nbytes`` on this rank) Its handle's last bound
+        (``SaveHandle.bound``): the writer's phases each end by theirs (the writes: the
+        write deadline or :meth:`_write_bound`'s allowance; the commit exchange; the
+        housekeeping), so a save still running past them all, plus STUCK_SLACK_S, is held by a
+        call that does not return. An emergency save: its deadline plus the slack."""
+        if deadline is not None:
+            return deadline + _handle.STUCK_SLACK_S
+        return (time.monotonic() + 3 * self.options.commit_timeout_s + WRITE_STALL_S
+                + nbytes / MIN_WRITE_BPS + WRITE_GRACE_S + _handle.STUCK_SLACK_S)
+
+    def _result(self, pending: tuple, plan: SavePlan) -> dict:
+        """A shard write's entries (raising its error), waited for until its bound
+        (:meth:`_write_bound`): a write into a file system that stopped answering fails the
+        save, naming the file, and is left to its thread (local system calls cannot be
+        interrupted)."""
+        fut, path, until = pending
+        bound = max(until - time.monotonic(), 0.0)
         try:
             return fut.result(timeout=bound)
         except FutureTimeout:
             raise StorageError(
-                f"the shard write of step {plan.step} did not finish within the save's "
-                f"deadline (commit_timeout_s="
-                f"{self.options.commit_timeout_s:g}, or an emergency save's grace): the file "
-                "system stopped answering (a hung NFS mount, a failing device?); not committed, "
-                "the write is left to its thread", rank=self.rank, file=path) from None
+                f"the shard write of step {plan.step} did not finish within its bound (the "
+                f"save's write deadline, commit_timeout_s={self.options.commit_timeout_s:g}, "
+                f"or {WRITE_STALL_S:g} s + its bytes at {MIN_WRITE_BPS >> 20} MiB/s; an "
+                "emergency save: its grace): the file system stopped answering (a hung NFS "
+                "mount, a failing device?); not committed; check the mount: the write keeps "
+                "its thread until it returns", rank=self.rank, file=path) from None
 
     def _committed_anyway(self, job: Job) -> bool:
         """(background, after the coordinator's decision could not be read) Whether the step's

@@ -10,10 +10,11 @@ through. The root itself may be a link (the user's choice).
 
 Deadlines: a local disk's system calls cannot be interrupted, and a mount that stops answering
 (NFS, a failing device) blocks them for good. A :meth:`LocalStorage.bounded` view runs its
-metadata calls (directories, listings, small files, the manifest's rename, removals) on a small
-shared pool of threads (:data:`LOCAL_THREADS`) and waits for each until the view's deadline: a
-call that has not returned by then is left to its thread and a StorageError names it, so a save
-fails by its deadline instead of hanging. A :meth:`LocalStorage.per_call` view (a load's) bounds
+metadata calls (directories, listings, small files, the manifest's rename, removals) on a shared
+pool of threads (storage/bounded.py) and waits for each until the view's deadline: a call that
+has not returned by then is left to its thread and a StorageError names it, so a save fails by
+its deadline instead of hanging; a call left to its thread renames and removes nothing after
+that (bounded.py's commit point). A :meth:`LocalStorage.per_call` view (a load's) bounds
 each such call by a fixed time instead. Shard writes and reads run on the engine's own I/O
 threads, whose waits the writer and the reader bound the same way (engine/writer.py,
 engine/readitems.py).
@@ -21,22 +22,20 @@ engine/readitems.py).
 
 from __future__ import annotations
 
-import concurrent.futures
 import copy
 import errno
 import functools
 import os
 import shutil
 import stat
-import threading
 import time
 import uuid
 from typing import Sequence
 
+from . import bounded as _b
 from . import native as _native
-from ..errors import NotRegularFileError, StorageError
+from ..errors import NotRegularFileError
 from .base import Storage, storage_error
-from .threads import Threads
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -58,54 +57,19 @@ def not_regular(path: str, mode: int) -> NotRegularFileError:
     return err
 
 
-#: threads that run the metadata calls of bounded views (shared by every local root of the
-#: process; a call stuck for good in a mount that stopped answering keeps its thread, the
-#: others still run, and a call that waits for a free thread still ends at its bound)
-LOCAL_THREADS = 4
-#: the least time a bounded call is given when its deadline has passed already (the cleanup
-#: after a failed save: milliseconds on a disk that answers)
-FLOOR_S = 2.0
-_pool: list = []
-_pool_lock = threading.Lock()
-_on_pool = threading.local()
-
-
-def _threads() -> Threads:
-    with _pool_lock:
-        if not _pool or _pool[0][0] != os.getpid():  # (a forked child has none of the threads)
-            _pool[:] = [(os.getpid(), Threads(LOCAL_THREADS, "fastckpt-local"))]
-        return _pool[0][1]
-
-
-def _run_flagged(fn, *args, **kw):
-    _on_pool.active = True
-    try:
-        return fn(*args, **kw)
-    finally:
-        _on_pool.active = False
-
-
 def _hop(view: "LocalStorage", what: str, path: str, fn, *args, **kw):
     """``fn(*args, **kw)`` under ``view``'s bound (see :func:`bounded_call`)."""
-    if (view.deadline is None and view.call_s is None) or getattr(_on_pool, "active", False):
+    if view.deadline is None and view.call_s is None:
         return fn(*args, **kw)
     bound = (view.call_s if view.deadline is None
-             else max(view.deadline - time.monotonic(), FLOOR_S))
-    fut = _threads().submit(_run_flagged, fn, *args, **kw)
-    try:
-        return fut.result(timeout=bound)
-    except concurrent.futures.TimeoutError:
-        fut.cancel()  # (still queued: it never runs)
-        raise StorageError(
-            f"{what} did not return within its deadline ({bound:.1f} s): the file system "
-            "stopped answering (a hung NFS mount, a failing device?); the call is left to its "
-            "thread", file=path) from None
+             else max(view.deadline - time.monotonic(), _b.FLOOR_S))
+    return _b.hop(bound, what, path, fn, *args, **kw)
 
 
 def bounded_call(what: str):
     """Decorate a LocalStorage method ``(self, path, ...)``: on a bounded view (``deadline``
-    set) it runs on the shared pool and is waited for until the deadline (at least
-    :data:`FLOOR_S`), on a per-call view (``call_s`` set) for ``call_s`` seconds; past that,
+    set) it runs on the shared pool (storage/bounded.py) and is waited for until the
+    deadline (at least ``bounded.FLOOR_S``), on a per-call view (``call_s`` set) for ``call_s`` seconds; past that,
     StorageError naming ``what`` and the path. A call made from a pool thread runs in place
     (no wait for a pool thread from a pool thread: see :meth:`LocalStorage.run`)."""
     def deco(fn):
@@ -134,6 +98,7 @@ class LocalStorage(Storage):
         super().__init__(os.path.abspath(os.path.expanduser(root)))
         self.io = _native.get_backend(io_mode)
         self.direct_io = direct_io
+        _b.pool()  # (its first threads start here, in the opening thread: see bounded.py)
 
     @property
     def is_local(self) -> bool:
@@ -321,7 +286,8 @@ class LocalStorage(Storage):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            with _b.commit_point():  # (raises instead when its bounded caller gave up)
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
             if durable:
                 os.fsync(dfd)
         except OSError as e:
@@ -339,6 +305,7 @@ class LocalStorage(Storage):
     def remove(self, path: str) -> None:
         """Remove one file (a link is removed, not followed; so is a link in place of its
         step directory: nothing outside the root is touched)."""
+        _b.check_abandoned()  # (a housekeeping pass its bounded caller gave up on stops)
         d, name = os.path.split(path)
         try:
             dfd = self._dir_fd(d)
@@ -361,6 +328,7 @@ class LocalStorage(Storage):
     def remove_dir(self, path: str) -> None:
         """Remove a directory tree; a link in its place is removed itself, never followed
         (shutil.rmtree does not follow the links inside)."""
+        _b.check_abandoned()
         try:
             if os.path.islink(path):
                 os.unlink(path)
