@@ -46,6 +46,11 @@ class Hung(LocalStorage):
         self.before_write = None  # called before each shard write (a test's interleaving)
         self.write_s = 0.0  # each shard write takes this long (a slow disk that answers)
 
+    def answers(self) -> None:
+        """The mount answers again: nothing blocks, the blocked calls return."""
+        self.hang.clear()
+        self.gate.set()
+
     def _block(self, what: str) -> None:
         if what in self.hang:
             self.entered.set()
@@ -99,6 +104,20 @@ def short_bounds(monkeypatch):
         monkeypatch.setattr(mod, "READ_STALL_S", READ_S)
 
 
+@pytest.fixture
+def job(tmp_path):
+    """(root, a Hung storage on it, a Checkpointer on that) for one test; at the end the
+    mount answers and the Checkpointer is closed."""
+    root = str(tmp_path / "ck")
+    st = Hung(root)
+    ck = fastckpt.Checkpointer(st, commit_timeout_s=COMMIT_S)
+    try:
+        yield root, st, ck
+    finally:
+        st.gate.set()
+        ck.close()
+
+
 def state(v: float) -> dict:
     return {"w": torch.full((1 << 18,), v), "b": torch.full((1000,), v), "step": int(v)}
 
@@ -111,59 +130,45 @@ def loads(root: str, v: float) -> int:
 
 
 @pytest.mark.parametrize("block", [False, True], ids=["async", "blocking-zero-copy"])
-def test_a_shard_write_that_never_returns_fails_the_save_by_its_deadline(tmp_path, block):
-    root = str(tmp_path / "ck")
-    st = Hung(root)
-    ck = fastckpt.Checkpointer(st, commit_timeout_s=COMMIT_S)
-    try:
-        ck.save(state(1.0), step=1, block=True)
-        st.hang.add("write")
-        s2 = state(2.0)
-        before = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s2.items()}
-        t0 = time.monotonic()
-        with pytest.raises(SaveFailedError, match="did not finish within its bound") as e:
-            ck.save(s2, step=2, block=block).wait()
-        took = time.monotonic() - t0
-        assert st.entered.is_set()
-        assert took < COMMIT_S + 0.5 + 8, took  # the deadline, the grace, the commit's abort
-        cause = e.value.__cause__
-        assert isinstance(cause, StorageError) and cause.rank == 0, cause
-        assert cause.file.endswith(".fck") and "step-0000000002" in cause.file
-        assert all(torch.equal(s2[k], before[k]) if isinstance(before[k], torch.Tensor)
-                   else s2[k] == before[k] for k in before)
-        assert fastckpt.steps(root) == [1] and loads(root, 1.0) == 1
-        # the mount comes back: the stuck write returns into an aborted save, the next commits
-        st.hang.clear()
-        st.gate.set()
-        ck.save(state(3.0), step=3, block=True)
-        assert fastckpt.steps(root) == [1, 3] and loads(root, 3.0) == 3
-    finally:
-        st.gate.set()
-        ck.close()
+def test_a_shard_write_that_never_returns_fails_the_save_by_its_deadline(job, block):
+    root, st, ck = job
+    ck.save(state(1.0), step=1, block=True)
+    st.hang.add("write")
+    s2 = state(2.0)
+    before = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s2.items()}
+    t0 = time.monotonic()
+    with pytest.raises(SaveFailedError, match="did not finish within its bound") as e:
+        ck.save(s2, step=2, block=block).wait()
+    took = time.monotonic() - t0
+    assert st.entered.is_set()
+    assert took < COMMIT_S + 0.5 + 8, took  # the deadline, the grace, the commit's abort
+    cause = e.value.__cause__
+    assert isinstance(cause, StorageError) and cause.rank == 0, cause
+    assert cause.file.endswith(".fck") and "step-0000000002" in cause.file
+    assert all(torch.equal(s2[k], before[k]) if isinstance(before[k], torch.Tensor)
+               else s2[k] == before[k] for k in before)
+    assert fastckpt.steps(root) == [1] and loads(root, 1.0) == 1
+    # the mount comes back: the stuck write returns into an aborted save, the next commits
+    st.answers()
+    ck.save(state(3.0), step=3, block=True)
+    assert fastckpt.steps(root) == [1, 3] and loads(root, 3.0) == 3
 
 
-def test_a_directory_sync_that_never_returns_fails_the_save_naming_the_call(tmp_path):
+def test_a_directory_sync_that_never_returns_fails_the_save_naming_the_call(job):
     """The writer thread's own metadata call (the shard files' directory fsync) runs on the
     bounded view's pool: the save fails naming it, the writer is free for the next save."""
-    root = str(tmp_path / "ck")
-    st = Hung(root)
-    ck = fastckpt.Checkpointer(st, commit_timeout_s=COMMIT_S)
-    try:
-        ck.save(state(1.0), step=1, block=True)
-        st.hang.add("sync_dir")
-        t0 = time.monotonic()
-        with pytest.raises(SaveFailedError, match="syncing the directory did not return") as e:
-            ck.save(state(2.0), step=2).wait()
-        assert time.monotonic() - t0 < COMMIT_S + 8
-        assert "step-0000000002" in e.value.__cause__.file
-        assert fastckpt.steps(root) == [1] and loads(root, 1.0) == 1
-        st.hang.clear()
-        st.gate.set()
-        ck.save(state(3.0), step=3, block=True)
-        assert fastckpt.steps(root) == [1, 3]
-    finally:
-        st.gate.set()
-        ck.close()
+    root, st, ck = job
+    ck.save(state(1.0), step=1, block=True)
+    st.hang.add("sync_dir")
+    t0 = time.monotonic()
+    with pytest.raises(SaveFailedError, match="syncing the directory did not return") as e:
+        ck.save(state(2.0), step=2).wait()
+    assert time.monotonic() - t0 < COMMIT_S + 8
+    assert "step-0000000002" in e.value.__cause__.file
+    assert fastckpt.steps(root) == [1] and loads(root, 1.0) == 1
+    st.answers()
+    ck.save(state(3.0), step=3, block=True)
+    assert fastckpt.steps(root) == [1, 3]
 
 
 def test_close_ends_at_the_bound_while_a_write_is_still_stuck(tmp_path):
@@ -205,8 +210,7 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
             out["error"] = f"{type(e).__name__}: {e} (cause: {e.__cause__})"
         out["took"] = time.monotonic() - t0
         if rank == 1:
-            st.hang.clear()
-            st.gate.set()
+            st.answers()
         ck.save(state(3.0 + rank), step=3, block=True)
         out["steps"] = ck.steps()
     finally:
@@ -252,8 +256,7 @@ def test_a_load_whose_read_never_returns_fails_naming_the_file(tmp_path, where):
         else:
             assert "reading did not return" in str(e.value)
             assert e.value.file.endswith("manifest.json")
-        st.hang.clear()
-        st.gate.set()
+        st.answers()
         assert loads(root, 1.0) == 1
         got = {"w": torch.zeros(1 << 18), "b": torch.zeros(1000), "step": 0}
         assert fastckpt.load(got, st) == 1 and torch.equal(got["w"], torch.full((1 << 18,), 1.0))
@@ -275,55 +278,42 @@ def test_close_after_a_long_finished_save_does_not_blame_a_hung_mount(tmp_path):
     assert fastckpt.steps(root) == [1, 2]
 
 
-def test_a_manifest_rename_left_to_its_thread_never_lands_after_the_failure(tmp_path):
+def test_a_manifest_rename_left_to_its_thread_never_lands_after_the_failure(job):
     """The manifest's publish does not return in time: the save fails and every rank removes
     its shards; when the mount answers again, the rename must not happen (it would commit a
     step whose shards are gone: every restart would fail on it). The newest step stays 1."""
-    root = str(tmp_path / "ck")
-    st = Hung(root)
-    ck = fastckpt.Checkpointer(st, commit_timeout_s=COMMIT_S)
-    try:
-        ck.save(state(1.0), step=1, block=True)
-        st.hang.add("publish_manifest")
-        with pytest.raises(fastckpt.FastCkptError, match="publishing"):
-            ck.save(state(2.0), step=2, block=True)
-        st.hang.clear()
-        st.gate.set()
-        time.sleep(0.5)  # (the released call reaches its commit point)
-        assert fastckpt.steps(root) == [1]
-        assert loads(root, 1.0) == 1
-        ck.save(state(3.0), step=3, block=True)
-        assert fastckpt.steps(root) == [1, 3]
-    finally:
-        st.gate.set()
-        ck.close()
+    root, st, ck = job
+    ck.save(state(1.0), step=1, block=True)
+    st.hang.add("publish_manifest")
+    with pytest.raises(fastckpt.FastCkptError, match="publishing"):
+        ck.save(state(2.0), step=2, block=True)
+    st.answers()
+    time.sleep(0.5)  # (the released call reaches its commit point)
+    assert fastckpt.steps(root) == [1]
+    assert loads(root, 1.0) == 1
+    ck.save(state(3.0), step=3, block=True)
+    assert fastckpt.steps(root) == [1, 3]
 
 
-def test_housekeeping_left_to_its_thread_never_removes_the_next_saves_files(tmp_path):
+def test_housekeeping_left_to_its_thread_never_removes_the_next_saves_files(job):
     """Step 2's housekeeping (its ``latest`` hint first) does not return in time: the save
     is committed and the writer goes on. The mount answers while step 3 is being written: the
     abandoned housekeeping must stop, not remove step 3's files as an abandoned partial step
     (before the fix it did: step 3 failed, or a committed step was removed)."""
-    root = str(tmp_path / "ck")
-    st = Hung(root)
-    ck = fastckpt.Checkpointer(st, commit_timeout_s=COMMIT_S)
-    try:
-        ck.save(state(1.0), step=1, block=True)
-        st.hang.add("publish_latest")
-        ck.save(state(2.0), step=2, block=True)  # committed; its housekeeping is held
-        assert st.entered.is_set() and fastckpt.steps(root) == [1, 2]
-        st.hang.clear()
+    root, st, ck = job
+    ck.save(state(1.0), step=1, block=True)
+    st.hang.add("publish_latest")
+    ck.save(state(2.0), step=2, block=True)  # committed; its housekeeping is held
+    assert st.entered.is_set() and fastckpt.steps(root) == [1, 2]
+    st.hang.clear()
 
-        def release():  # once, as step 3's first shard is written
-            st.before_write = None
-            st.gate.set()
-            time.sleep(0.5)  # (the abandoned pass runs: its listing sees step 3 partial)
-        st.before_write = release
-        ck.save(state(3.0), step=3, block=True)
-        assert fastckpt.steps(root) == [1, 2, 3] and loads(root, 3.0) == 3
-    finally:
+    def release():  # once, as step 3's first shard is written
+        st.before_write = None
         st.gate.set()
-        ck.close()
+        time.sleep(0.5)  # (the abandoned pass runs: its listing sees step 3 partial)
+    st.before_write = release
+    ck.save(state(3.0), step=3, block=True)
+    assert fastckpt.steps(root) == [1, 2, 3] and loads(root, 3.0) == 3
 
 
 def test_calls_stuck_on_one_mount_leave_other_roots_working(tmp_path):
