@@ -17,12 +17,12 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import StorageError
+from ..storage import bounded as _bounded
 
-#: how long the load waits for a read to finish beyond its transfer time (seconds): the
-#: remote backends' per-call bound (``op_timeout_s``'s default)
-READ_STALL_S = 120.0
-#: the slowest read rate a read is given time for (bytes/s): the remote backends' too
-MIN_READ_BPS = 8 << 20
+#: how long the load waits for a read to finish beyond its transfer time (seconds), and the
+#: slowest read rate a read is given time for (bytes/s): storage/bounded.py's per-call bound
+READ_STALL_S = _bounded.CALL_S
+MIN_READ_BPS = _bounded.MIN_RATE
 
 
 @dataclass

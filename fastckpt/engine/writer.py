@@ -45,6 +45,7 @@ from ..manifest.discovery import marker_doc, marker_name, read_manifest
 from ..options import CheckpointOptions
 from ..retention import apply_retention
 from ..storage import Storage
+from ..storage import bounded as _bounded
 from ..storage.threads import Threads
 from . import dist as _dist
 from . import handle as _handle
@@ -63,9 +64,9 @@ WRITE_GRACE_S = 5.0
 #: the least time ``close`` gives the writer's threads to stop
 CLOSE_MIN_S = 5.0
 #: a shard write is given at least this long plus its bytes at MIN_WRITE_BPS (a healthy slow
-#: disk), whatever the save's write deadline: the remote backends' per-call bound
-WRITE_STALL_S = 120.0
-MIN_WRITE_BPS = 8 << 20
+#: disk), whatever the save's write deadline: storage/bounded.py's per-call bound
+WRITE_STALL_S = _bounded.CALL_S
+MIN_WRITE_BPS = _bounded.MIN_RATE
 _SENTINEL = object()
 
 

@@ -40,6 +40,11 @@ MIN_THREADS = 2
 MAX_THREADS = 32
 #: how long a waiter that gave up waits for the call's commit-point lock (a rename under way)
 LOCK_S = 1.0
+#: the per-call bound of calls with no deadline of their own (a load's; a shard write past a
+#: short write phase): CALL_S plus the call's bytes at MIN_RATE; the remote backends' too
+#: (fsspec_backend.py: ``op_timeout_s``'s default, ``_MIN_RATE``)
+CALL_S = 120.0
+MIN_RATE = 8 << 20
 
 _local = threading.local()
 

@@ -47,6 +47,7 @@ from typing import Sequence
 
 import xxhash
 
+from . import bounded as _bounded
 from . import native as _native
 from .base import Storage, storage_error
 from .threads import Threads
@@ -58,7 +59,7 @@ _CHUNK = 16 << 20  # upload part size / write piece (s3 parts must be >= 5 MiB)
 #: systems: s3fs, gcsfs); smaller reads are one request
 _READ_PIECE = 32 << 20
 #: the slowest transfer rate a remote call is given time for (bytes/s) on top of op_timeout_s
-_MIN_RATE = 8 << 20
+_MIN_RATE = _bounded.MIN_RATE
 #: the longest an abort or removal after a failure may take (seconds), whatever the deadline
 _CLEANUP_S = 10.0
 #: threads that run the calls of synchronous file systems (shared by every root of the
