@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from concurrent.futures import Executor, Future
 from typing import Any, Callable
 
@@ -59,7 +60,6 @@ class Threads(Executor):
     def join(self, until: float | None = None) -> bool:
         """(after ``shutdown``) Wait for the threads to end, until ``until`` at most
         (``time.monotonic()``; None: no bound); whether they all did."""
-        import time
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(None if until is None else max(0.0, until - time.monotonic()))
