@@ -17,7 +17,7 @@ from .errors import (
     CheckpointNotFoundError, CollectiveTimeoutError, CommitTimeoutError, CorruptCheckpointError,
     FastCkptError,
     NotRegularFileError, SaveFailedError, StateMismatchError, StepRemovedError, StorageError,
-    UnsupportedStateError, WriterLockedError)
+    StorageTimeoutError, UnsupportedStateError, WriterLockedError)
 
 # The engine (torch.distributed, DCP) is imported on first use, so that `import fastckpt` and
 # the command-line tools stay quick (PEP 562).
@@ -34,7 +34,8 @@ __all__ = [
     "FastCkptError", "UnsupportedStateError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "StateMismatchError", "StorageError", "SaveFailedError", "CommitTimeoutError",
     "CollectiveTimeoutError",
-    "NotRegularFileError", "StepRemovedError", "WriterLockedError", "__version__",
+    "NotRegularFileError", "StepRemovedError", "StorageTimeoutError", "WriterLockedError",
+    "__version__",
 ]
 
 

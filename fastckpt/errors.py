@@ -16,6 +16,7 @@ __all__ = [
     "StateMismatchError",
     "StorageError",
     "NotRegularFileError",
+    "StorageTimeoutError",
     "WriterLockedError",
     "SaveFailedError",
     "CommitTimeoutError",
@@ -73,6 +74,14 @@ class StorageError(FastCkptError, OSError):
 class NotRegularFileError(StorageError):
     """A path where fastckpt expects a regular file holds something else (a directory, a FIFO,
     a device, a symbolic link): it is never opened or followed."""
+
+
+class StorageTimeoutError(StorageError):
+    """A storage call did not answer within its bound: a local mount that stopped answering
+    (NFS, a failing device) or an object store that did not answer within ``op_timeout_s``.
+    Not damage: the tools (``ls``, ``resume``, ``verify``) end on it (exit 4) instead of
+    reporting a step as damaged or waiting the bound again for every other step. (Not a
+    ``TimeoutError``: ``SaveHandle.wait(timeout)`` raises that for "still running".)"""
 
 
 class WriterLockedError(FastCkptError):

@@ -27,6 +27,7 @@ from fastckpt.engine import reader as _reader
 from fastckpt.engine import readitems as _readitems
 from fastckpt.engine import writer as _writer
 from fastckpt.errors import SaveFailedError, StorageError
+from fastckpt.manifest import schema as fmt
 from fastckpt.storage.local import LocalStorage, bounded_call
 
 from tests.distributed import run
@@ -356,3 +357,37 @@ def test_a_slow_disk_that_answers_still_commits(tmp_path, monkeypatch):
     with fastckpt.Checkpointer(st, commit_timeout_s=1.0) as ck:
         ck.save(state(1.0), step=1, block=True)
     assert fastckpt.steps(root) == [1] and loads(root, 1.0) == 1
+
+
+@pytest.mark.parametrize("cmd,hang", [("ls", "manifest"), ("resume", "manifest"),
+                                      ("inspect", "manifest"), ("gc", "manifest"),
+                                      ("verify", "read")])
+def test_the_cli_on_a_hung_mount_ends_with_exit_4_naming_the_file(tmp_path, monkeypatch,
+                                                                   capsys, cmd, hang):
+    """``fastckpt ls|resume|inspect|gc|verify ROOT`` on a root whose manifest (or shard)
+    reads never return: exit 4 (storage) at the per-call bound (CALL_S: 120 s; 1 s here), the
+    file named, instead of a command that never ends; once the mount answers, the same command
+    succeeds (before 2026-12-06 the tools' calls ran in place, unbounded)."""
+    from fastckpt.tools import describe
+    from tests.clirun import call
+    root = str(tmp_path / "ck")
+    fastckpt.save(state(1.0), root, step=1)
+    st = Hung(root, hang=(hang,))
+    monkeypatch.setattr(describe, "CALL_S", READ_S)
+    monkeypatch.setattr(describe, "open_storage", lambda r, **kw: st)
+    t0 = time.monotonic()
+    try:
+        code, out, err = call(cmd, root, capsys=capsys)
+    finally:
+        took = time.monotonic() - t0
+        st.answers()
+    assert st.entered.is_set(), "the simulated hang was not reached"
+    assert code == 4, (code, out, err)
+    assert took < 30, took  # (the blocked call is held for 120 s)
+    named = "manifest.json" if hang == "manifest" else fmt.SHARD_SUFFIX
+    assert "did not answer" in err or "within" in err, err
+    assert named in err or named in out, (out, err)
+    assert "corrupt" not in out and "retry when the storage answers" in err, (out, err)
+    code, out, err = call(cmd, root, capsys=capsys)
+    assert code == 0, (code, out, err)
+    assert fastckpt.steps(root) == [1]

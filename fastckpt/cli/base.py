@@ -151,7 +151,8 @@ def _storage(root: str, *, must_exist: bool = False):
                        hint="retry when the storage answers") from None
     if dcp is not None:  # never "nothing committed, start fresh" over a run's DCP checkpoints
         raise CliError(f"{root}: {dcp}", EXIT_USAGE)
-    if must_exist and storage.is_local and not os.path.exists(storage.root):
+    if (must_exist and storage.is_local
+            and not storage.run("stat", os.path.exists, storage.root)):
         raise CliError(f"{root} does not exist", EXIT_NO_CHECKPOINT,
                        hint="check the path (a job that has not saved yet has no root)")
     return storage

@@ -25,7 +25,8 @@ import traceback
 
 import click
 
-from ..errors import CheckpointNotFoundError, FastCkptError, StorageError
+from ..errors import (CheckpointNotFoundError, FastCkptError, StorageError,
+                      StorageTimeoutError)
 from . import base
 from . import benchcmd, convert, drill, k8s, slurm, steps  # noqa: F401 - the commands register themselves
 from .base import (EXIT_BROKEN_PIPE, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NO_CHECKPOINT,
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
         rc = _fail(e.line(), e.code, e.data)
     except (FastCkptError, ImportError) as e:
         code = EXIT_STORAGE if isinstance(e, ImportError) else _code_for(e)
-        hint = _HINTS.get(code)
+        hint = (_HINTS.get(code) if not isinstance(e, StorageTimeoutError) else
+                "retry when the storage answers (no step was judged damaged)")
         rc = _fail(f"{e}; {hint}" if hint else str(e), code)
     except BrokenPipeError:
         # the reader went away (`fastckpt ls | head`): not an error of ours

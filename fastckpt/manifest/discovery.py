@@ -15,7 +15,7 @@ import time
 from typing import Callable, Iterator, Optional, Union
 
 from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, NotRegularFileError,
-                      StorageError)
+                      StorageError, StorageTimeoutError)
 from ..storage import Storage
 from . import schema as fmt
 
@@ -122,7 +122,7 @@ def refuse_link(storage: Storage, step_dir: str) -> None:
     if not storage.is_local or step_dir.rstrip("/") == storage.root.rstrip("/"):
         return
     import os
-    if os.path.islink(step_dir):  # (an lstat: the link is not followed)
+    if storage.run("stat", os.path.islink, step_dir, path=step_dir):  # (an lstat)
         raise CorruptCheckpointError("the step directory is a symbolic link; fastckpt never "
                                      "follows links inside the root (listings leave them "
                                      "out)", file=step_dir)
@@ -248,6 +248,8 @@ def looks_like_step_dir(storage: Storage) -> str | None:
         return None
     try:
         names = storage.listdir(root)
+    except StorageTimeoutError:
+        raise  # (not "no step directory": the storage did not answer)
     except StorageError:
         return None
     if fmt.MANIFEST in names or any(n.endswith(fmt.SHARD_SUFFIX) for n in names):
@@ -267,7 +269,7 @@ def root_hint(storage: Storage) -> str | None:
         return dcp
     if storage.is_local:
         import os
-        if not os.path.exists(storage.root):
+        if not storage.run("stat", os.path.exists, storage.root):
             return "the directory does not exist: mistyped, or nothing was saved there yet"
     return None
 
@@ -306,6 +308,8 @@ def dcp_hint(storage: Storage, *, listing_errors: bool = False) -> str | None:
     for _, n in steps[:3]:
         try:
             sub_names = storage.listdir(f"{root}/{n}")
+        except StorageTimeoutError:
+            raise
         except StorageError:  # a file named step-N, an unreadable directory
             continue
         if _is_dcp_dir(sub_names):

@@ -16,7 +16,7 @@ from typing import Callable
 
 import xxhash
 
-from ..errors import NotRegularFileError, StorageError
+from ..errors import NotRegularFileError, StorageError, StorageTimeoutError
 from ..storage import Storage
 from ..storage.native import aligned_buffer
 from . import schema as fmt
@@ -195,6 +195,10 @@ def _split(boxes: list, dims: list, budget: float = float("inf")) -> tuple | Non
     return None
 
 
+def _read(storage: Storage, path: str, offset: int, buf, n: int) -> None:
+    storage.read_into(path, offset, buf, n, hash=False)  # (hashed per chunk by the caller)
+
+
 def verify_file(storage: Storage, d: str, name: str, info: dict, chunks: list,
                  block: int, progress: ProgressFn | None,
                  get_buf: Callable[[int], memoryview] | None = None
@@ -206,6 +210,8 @@ def verify_file(storage: Storage, d: str, name: str, info: dict, chunks: list,
     problems: list[Problem] = []
     try:
         size = storage.size(path)
+    except StorageTimeoutError:
+        raise  # (the storage stopped answering: verify_step ends, it does not go on)
     except StorageError as e:  # (a FIFO or a directory there: damage, not a failed read)
         kind = "missing" if isinstance(e, NotRegularFileError) else "read"
         return [Problem(kind, f"cannot stat the file: {e}", file=name, rank=rank)], 0, 0
@@ -252,7 +258,10 @@ def verify_file(storage: Storage, d: str, name: str, info: dict, chunks: list,
         n = min(block, readable - bstart)
         bend = bstart + n
         try:
-            storage.read_into(path, bstart, buf, n, hash=False)  # hashed per chunk below
+            # (bounded on a local root's per-call view: a mount that stops answering)
+            storage.run("reading", _read, storage, path, bstart, buf, n, path=path)
+        except StorageTimeoutError:
+            raise
         except StorageError as e:
             problems.append(Problem("missing" if isinstance(e, NotRegularFileError) else "read",
                                     f"cannot read {n} bytes: {e}", file=name, offset=bstart,

@@ -6,7 +6,7 @@ import abc
 import errno
 from typing import Sequence
 
-from ..errors import StorageError
+from ..errors import StorageError, StorageTimeoutError
 
 _HINTS = {
     errno.ENOSPC: "the device is full: free space or point the checkpoint root elsewhere",
@@ -24,8 +24,9 @@ def storage_error(e: BaseException, what: str, path: str, *, offset: int | None 
     ``note``: what the failure left behind, appended to the message."""
     code = getattr(e, "errno", None)
     hint = _HINTS.get(code, str(e)) if code is not None else str(e)
-    err = StorageError(f"{what} failed: {hint}" + (f"; {note}" if note else ""), file=path,
-                       offset=offset, rank=rank)
+    cls = StorageTimeoutError if isinstance(e, TimeoutError) else StorageError
+    err = cls(f"{what} failed: {hint}" + (f"; {note}" if note else ""), file=path,
+              offset=offset, rank=rank)
     err.errno = code  # type: ignore[misc]
     return err
 
@@ -62,7 +63,7 @@ class Storage(abc.ABC):
         """
         return self
 
-    def run(self, what: str, fn, *args):
+    def run(self, what: str, fn, *args, path: str | None = None):
         """``fn(*args)`` (calls on this storage) as one bounded call where a backend bounds its
         calls by handing them to threads (LocalStorage); this base calls it in place."""
         return fn(*args)

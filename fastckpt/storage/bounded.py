@@ -29,7 +29,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from ..errors import StorageError
+from ..errors import StorageError, StorageTimeoutError
 
 #: the least time a bounded call is given when its deadline has passed already (the cleanup
 #: after a failed save: milliseconds on a disk that answers)
@@ -45,6 +45,9 @@ LOCK_S = 1.0
 #: (fsspec_backend.py: ``op_timeout_s``'s default, ``_MIN_RATE``)
 CALL_S = 120.0
 MIN_RATE = 8 << 20
+
+#: calls that change nothing (their error says nothing about an effect)
+_READS = frozenset({"reading", "listing", "stat"})
 
 _local = threading.local()
 
@@ -182,9 +185,10 @@ def _give_up(p: _Pool, call: _Call, fut: _Future, bound: float) -> None:
     else:
         msg = (f"{call.what} did not return within its bound ({bound:.1f} s): the file system "
                "stopped answering (a hung NFS mount, a failing device?)"
-               + ("; it may have taken effect (outcome unknown)" if unknown else
+               + ("" if call.what in _READS else
+                  "; it may have taken effect (outcome unknown)" if unknown else
                   "; it will not take effect (stopped at its commit point)"))
-    err = StorageError(msg + "; check the mount: the call keeps its thread until it returns, "
+    err = StorageTimeoutError(msg + "; check the mount: the call keeps its thread until it returns, "
                        "and the process may not exit before then", file=call.path)
     err.outcome_unknown = unknown  # type: ignore[attr-defined]
     raise err

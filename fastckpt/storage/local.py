@@ -113,11 +113,12 @@ class LocalStorage(Storage):
         view.deadline = deadline
         return view
 
-    def run(self, what: str, fn, *args):
+    def run(self, what: str, fn, *args, path: str | None = None):
         """``fn(*args)``, a sequence of calls on this view, as one bounded call: one pool
         thread runs them all in place (a save's housekeeping: a dozen calls, one hand-off of
-        about 70 us instead of one each), within the view's bound."""
-        return _hop(self, what, self.root, fn, *args)
+        about 70 us instead of one each), within the view's bound; an error past it names
+        ``path`` (default: the root)."""
+        return _hop(self, what, self.root if path is None else path, fn, *args)
 
     def per_call(self, seconds: float) -> "LocalStorage":
         """A view whose metadata calls each end, or raise StorageError, within ``seconds``

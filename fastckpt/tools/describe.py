@@ -7,20 +7,28 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..errors import CorruptCheckpointError, StorageError
+from ..errors import CorruptCheckpointError, StorageError, StorageTimeoutError
 from ..manifest import schema as fmt
 from ..manifest.discovery import (find_step, list_steps, marker_time, read_manifest,
                                   read_small_json, root_hint)
 from ..manifest.index import check_listed
 from ..retention import INFLIGHT_GRACE_S
 from ..storage import Storage, open_storage
+from ..storage.bounded import CALL_S
 
 VERIFIED_PREFIX = ".verified-"
 VERIFY_FAILED_PREFIX = ".verify-failed-"
 
 
 def as_storage(root: str | os.PathLike | Storage, **kw: Any) -> Storage:
-    return root if isinstance(root, Storage) else open_storage(str(root), **kw)
+    """The storage of ``root`` for the tools (ls, inspect, verify, gc, resume): a local root's
+    metadata calls each end, or raise StorageError, within ``bounded.CALL_S`` (a mount that
+    stops answering fails the command instead of hanging it); a view already bounded is kept,
+    and remote backends bound their calls themselves (``op_timeout_s``)."""
+    st = root if isinstance(root, Storage) else open_storage(str(root), **kw)
+    if getattr(st, "deadline", None) is None and getattr(st, "call_s", None) is None:
+        st = st.per_call(CALL_S)
+    return st
 
 
 def remote_tier(storage: Storage) -> tuple[str, Storage] | None:
@@ -47,25 +55,29 @@ def display_path(storage: Storage, path: str) -> str:
     return disp(path) if callable(disp) else path
 
 
+def _scan(d: str) -> dict[str, tuple[int | None, float | None]]:
+    out = {}
+    try:
+        it = os.scandir(d)
+    except (FileNotFoundError, NotADirectoryError):  # gone, or a stray file named step-*
+        return {}
+    except OSError as e:
+        from ..storage.base import storage_error
+        raise storage_error(e, "listing", d) from e
+    with it:
+        for e in it:
+            try:
+                st = e.stat(follow_symlinks=False)
+                out[e.name] = (st.st_size, st.st_mtime)
+            except OSError:
+                out[e.name] = (None, None)
+    return out
+
+
 def _entries(storage: Storage, d: str) -> dict[str, tuple[int | None, float | None]]:
     """name -> (size, mtime) of the files of a directory, in one listing where possible."""
     if storage.is_local:
-        out = {}
-        try:
-            it = os.scandir(d)
-        except (FileNotFoundError, NotADirectoryError):  # gone, or a stray file named step-*
-            return {}
-        except OSError as e:
-            from ..storage.base import storage_error
-            raise storage_error(e, "listing", d) from e
-        with it:
-            for e in it:
-                try:
-                    st = e.stat(follow_symlinks=False)
-                    out[e.name] = (st.st_size, st.st_mtime)
-                except OSError:
-                    out[e.name] = (None, None)
-        return out
+        return storage.run("listing", _scan, d, path=d)
     fs = getattr(storage, "fs", None)
     if fs is not None:
         try:
@@ -152,6 +164,8 @@ def _describe_one(storage: Storage, step: int, d: str, now: float, grace: float,
     rec = StepRecord(step=step, path=display_path(storage, d), state="partial", _dir=d)
     try:
         ents = _entries(storage, d)
+    except StorageTimeoutError:
+        raise  # (the storage, not this step: every other step would wait the bound again)
     except StorageError as e:  # this step only: the others are still listed
         rec.state, rec.error = "corrupt", str(e)
         return rec
@@ -160,8 +174,8 @@ def _describe_one(storage: Storage, step: int, d: str, now: float, grace: float,
     mtimes = [m for _, m in ents.values() if m is not None]
     if storage.is_local:  # a directory a save just created, before its marker is written
         try:
-            mtimes.append(os.lstat(d).st_mtime)
-        except OSError:
+            mtimes.append(storage.run("stat", os.lstat, d, path=d).st_mtime)
+        except (OSError, StorageError):
             pass
     rec.modified_unix = max(mtimes) if mtimes else None
     body = None
@@ -175,6 +189,8 @@ def _describe_one(storage: Storage, step: int, d: str, now: float, grace: float,
                              file=f"{d}/{fmt.MANIFEST}", step_dir=d)
         except CorruptCheckpointError as e:
             rec.state, rec.error = "corrupt", str(e)
+        except StorageTimeoutError:
+            raise
         except StorageError as e:
             rec.state, rec.error = "corrupt", f"cannot read the manifest: {e}"
     committed_sid = body.get("save_id") if body is not None else None

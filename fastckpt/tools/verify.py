@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .. import __version__
-from ..errors import CorruptCheckpointError, StepRemovedError, StorageError
+from ..errors import (CorruptCheckpointError, StepRemovedError, StorageError,
+                      StorageTimeoutError)
 from ..manifest import schema as fmt
 from ..manifest.discovery import find_step, read_manifest
 from ..manifest.verify import Problem, ProgressFn, check_layout, verify_file
@@ -91,16 +92,23 @@ def verify_step(root: str | Storage, step: int | None = None, *, jobs: int = 4,
         return b
 
     def one(name: str):
-        return verify_file(storage, d, name, body["files"][name], by_file.get(name, []),
-                            block_size, prog, get_buf)
+        try:
+            return verify_file(storage, d, name, body["files"][name], by_file.get(name, []),
+                               block_size, prog, get_buf)
+        except StorageTimeoutError:
+            local.buf = None  # (the read left to its thread may still land in it)
+            raise
 
     names = sorted(body["files"])
     workers = max(1, min(jobs, len(names)))
     if workers == 1:
         outs = [one(n) for n in names]
     else:
-        with ThreadPoolExecutor(workers, thread_name_prefix="fastckpt-verify") as ex:
+        ex = ThreadPoolExecutor(workers, thread_name_prefix="fastckpt-verify")
+        try:  # (a storage that stops answering ends it: the files not started are not)
             outs = list(ex.map(one, names))
+        finally:
+            ex.shutdown(wait=True, cancel_futures=True)
     for probs, nread, nchunks in outs:
         res.problems.extend(probs)
         res.bytes_checked += nread
