@@ -16,7 +16,7 @@ import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
 import fastckpt
-from fastckpt.errors import StorageError
+from fastckpt.errors import StorageError, StorageTimeoutError
 from fastckpt.storage.fsspec_backend import FsspecStorage
 
 BOUND_S = 1.0
@@ -72,8 +72,8 @@ def test_a_synchronous_file_system_that_stops_answering_fails_each_call_at_its_b
                        ("stat", lambda: st.size(st.join("a"))),
                        ("publish", lambda: st.publish(st.join("b"), b"y"))]:
         t0 = time.monotonic()
-        with pytest.raises(StorageError, match="no answer to"):
-            call()
+        with pytest.raises(StorageTimeoutError, match="no answer to"):
+            call()  # (not damage: the tools end on it, exit 4)
         took = time.monotonic() - t0
         assert took < BOUND_S + SLACK_S, (what, took)
 
