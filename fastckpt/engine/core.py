@@ -440,7 +440,8 @@ class Engine:
             done = handle._done.wait(max(0.0, end - time.monotonic()))
         except BaseException:  # (Ctrl-C): the writes read the tensors the caller gets back;
             job.cancel.set()  # nothing of this save may commit, and no write may go on
-            handle._done.wait(2 * self.options.commit_timeout_s + 5)  # (each one bounded)
+            # (not handle.bound: a write still under way only reads them, and cannot commit)
+            handle._done.wait(2 * self.options.commit_timeout_s + 5)
             raise
         if done:
             handle._staged.set()
