@@ -391,3 +391,35 @@ def test_the_cli_on_a_hung_mount_ends_with_exit_4_naming_the_file(tmp_path, monk
     code, out, err = call(cmd, root, capsys=capsys)
     assert code == 0, (code, out, err)
     assert fastckpt.steps(root) == [1]
+
+
+def test_the_job_exit_code_on_a_hung_mount_falls_back_to_the_launchers(tmp_path, monkeypatch,
+                                                                        caplog):
+    """The supervisor reads the ranks' event logs inside the grace window: on a mount that
+    stops answering, ``job_exit_code`` gives None (the launcher's code stands) after
+    ``events.READ_S`` with a warning naming the directory, instead of waiting until the
+    orchestrator's SIGKILL (simulated: the directory listing blocks)."""
+    from fastckpt.tools import events
+    d = tmp_path / "events"
+    d.mkdir()
+    (d / "rank0.jsonl").write_text('{"event": "armed", "t": 1}\n{"event": "exit", "code": 143}\n')
+    assert events.job_exit_code(str(d)) == 143
+    gate, entered = threading.Event(), threading.Event()
+    listdir = os.listdir
+
+    def hung_listdir(p):
+        if str(p) == str(d):
+            entered.set()
+            gate.wait(120)
+        return listdir(p)
+    monkeypatch.setattr(events, "READ_S", READ_S, raising=False)
+    monkeypatch.setattr(events.os, "listdir", hung_listdir)
+    t0 = time.monotonic()
+    try:
+        with caplog.at_level("WARNING", logger="fastckpt"):
+            assert events.job_exit_code(str(d)) is None
+    finally:
+        took = time.monotonic() - t0
+        gate.set()
+    assert entered.is_set() and took < 30, took
+    assert str(d) in caplog.text and "did not return within its bound" in caplog.text

@@ -47,7 +47,7 @@ CALL_S = 120.0
 MIN_RATE = 8 << 20
 
 #: calls that change nothing (their error says nothing about an effect)
-_READS = frozenset({"reading", "listing", "stat"})
+_READS = frozenset({"reading", "listing", "stat", "reading the event logs"})
 
 _local = threading.local()
 

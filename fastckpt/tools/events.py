@@ -4,16 +4,36 @@ the job's exit code, for launchers that hide the workers' codes. Torch-free."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
+
+log = logging.getLogger("fastckpt")
 
 #: how much of a rank's log is read (its end): the last run's events are there
 TAIL_BYTES = 16 << 20
 
 
+#: the bound on reading the logs (small files; the supervisor reads them inside the grace
+#: window, after the ranks exited): past it, a mount that stopped answering gives []
+READ_S = 10.0
+
+
 def last_exits(events_dir: str, *, since: float | None = None) -> list[dict]:
-    """Each rank's last ``exit`` event of its last run (after its last ``armed``); [] if none
-    or if ``events_dir`` does not exist. ``since`` (Unix time): only events from then on."""
+    """Each rank's last ``exit`` event of its last run (after its last ``armed``); [] if none,
+    if ``events_dir`` does not exist, or if it cannot be read within ``READ_S`` (a hung mount:
+    a warning says so). ``since`` (Unix time): only events from then on."""
+    from ..errors import StorageError
+    from ..storage import bounded
+    try:
+        return bounded.hop(READ_S, "reading the event logs", events_dir, _last_exits,
+                           events_dir, since)
+    except StorageError as e:
+        log.warning("fastckpt: %s; the job's exit code is the launcher's", e)
+        return []
+
+
+def _last_exits(events_dir: str, since: float | None) -> list[dict]:
     out = []
     try:
         names = sorted(os.listdir(events_dir))
