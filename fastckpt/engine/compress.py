@@ -223,12 +223,16 @@ class Compression:
                                                      level=self.level, native=self.native)))
         for slot, fut in small:
             enc = fut.result()
-            pos = fmt.align_up(pos, fmt.SMALL_ALIGN)
-            need = pos + enc.nbytes
+            pad = fmt.align_up(pos, fmt.SMALL_ALIGN) - pos
+            need = pos + pad + enc.nbytes
             if need > len(out):  # incompressible data with frame headers: grow
                 bigger = self._out(need * 2)
                 bigger[:pos] = out[:pos]
                 out = bigger
+            # the buffers are reused: the padding is zeroed, never an earlier piece's bytes
+            # (verify checks it; before 2026-12-06 a second compressed save failed verify)
+            out[pos:pos + pad] = bytes(pad)
+            pos += pad
             start = pos
             for f in enc.frames:
                 out[pos:pos + len(f)] = f
@@ -265,6 +269,17 @@ def _sample(data: dict) -> tuple[memoryview, int] | None:
 DECODE_THREADS = 4
 _DECODERS: list = []
 _DECODERS_LOCK = threading.Lock()
+
+
+def _after_fork_child() -> None:
+    """A forked child has none of the parent's threads: its first compressed load makes its
+    own decoder pool (before 2026-12-06 it waited for good on the parent's)."""
+    global _DECODERS_LOCK
+    _DECODERS_LOCK = threading.Lock()
+    _DECODERS.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_child)
 
 
 def decoders() -> ThreadPoolExecutor:
