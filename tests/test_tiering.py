@@ -482,10 +482,13 @@ def test_two_ranks_lose_the_node_and_resume_from_the_remote_tier(tmp_path, s3):
 
 # ------------------------------------------------------------------- the emergency decision
 
-def _rep(left=10.0, est=1.0, up=2.0, up_step=None, up_left=0.0):
+def _rep(left=10.0, est=1.0, up=2.0, up_step=None, up_left=0.0, up_piece=None,
+         committed=None):
     return {"left_s": left, "est_s": est, "bytes": 1, "inflight_step": None,
             "inflight_left_s": 0.0, "inflight_piece_s": 0.0, "up_est_s": up,
-            "up_inflight_step": up_step, "up_inflight_left_s": up_left}
+            "up_inflight_step": up_step, "up_inflight_left_s": up_left,
+            "up_inflight_piece_s": up_left if up_piece is None else up_piece,
+            "committed_step": committed}
 
 
 @pytest.mark.parametrize("reports,survives,want", [
@@ -502,10 +505,20 @@ def _rep(left=10.0, est=1.0, up=2.0, up_step=None, up_left=0.0):
     ([_rep(left=5, est=1, up=6)], True, ("skip", "save")),
     # the local save itself does not fit: nothing new; an upload in flight may still finish
     ([_rep(left=2, est=5, up=1, up_step=4, up_left=1)], False, ("finish", "skip")),
+    # the stop's step was committed already (a save at that step waited for): it is uploaded
+    # (before 2026-12-06 never: the restart from the remote tier lost those steps) unless its
+    # own upload is under way, which then finishes
+    ([_rep(left=10, up=3, committed=8)], False, ("upload", "committed")),
+    ([_rep(left=10, up=3, up_step=4, up_left=2, committed=8)], False, ("upload", "committed")),
+    ([_rep(left=10, up=3, up_step=8, up_left=2, committed=8)], False, ("finish", "committed")),
+    # superseding an older upload stops it between files: its file under way (4 s) comes
+    # before the new upload (6 s), 10 s > the 9 s left; before 2026-12-06: 1 + 6 s "fit"
+    ([_rep(left=10, est=1, up=6, up_step=4, up_left=8, up_piece=4)], True, ("finish", "save")),
+    ([_rep(left=10, est=1, up=6, up_step=4, up_left=8, up_piece=2)], True, ("upload", "save")),
 ])
 def test_the_remote_decision(reports, survives, want):
     decision, nums = budget.decide(reports, step=8, margin=1.0)
-    remote, local, why = budget.decide_remote(reports, decision, nums, 1.0, survives)
+    remote, local, why = budget.decide_remote(reports, decision, nums, 1.0, survives, step=8)
     assert (remote, local) == want, why
     assert why
 

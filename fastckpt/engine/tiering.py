@@ -261,7 +261,8 @@ class Tier:
                     u.cancel.set()
 
     def supersede(self) -> Upload | None:
-        """Stop the upload in flight before its next file (it fails, nothing committed)."""
+        """Stop the upload in flight before its next file (it fails, nothing committed; one
+        whose last file is under way ends and may still commit: an older step, complete)."""
         cur = self._current
         if cur is not None:
             cur.cancel.set()

@@ -100,18 +100,22 @@ def estimate_remote(*, nbytes: int, measured_bps: float | None, record_bps: floa
     bps = measured_bps or record_bps or assumed_bps
     source = ("measured" if measured_bps else "fastckpt bench record" if record_bps
               else "assumed")
-    left = 0.0
+    left = piece = 0.0
     step = None
     if inflight is not None:
         step = inflight.step
-        total = sum(int(f["size"]) for f in inflight.files)
-        left = max(0.0, total / bps - (time.monotonic() - inflight.started)) + 0.5
+        sizes = [int(f["size"]) for f in inflight.files]
+        left = max(0.0, sum(sizes) / bps - (time.monotonic() - inflight.started)) + 0.5
+        # superseded, it stops before its next file: the one under way goes on (at most the
+        # largest, and never more than what is left of the whole upload)
+        piece = min(left, max(sizes, default=0) / bps + 0.5)
     return {"up_est_s": round(nbytes / bps + 0.5, 4), "up_mibps": round(bps / (1 << 20), 2),
-            "up_source": source, "up_inflight_step": step, "up_inflight_left_s": round(left, 4)}
+            "up_source": source, "up_inflight_step": step, "up_inflight_left_s": round(left, 4),
+            "up_inflight_piece_s": round(piece, 4)}
 
 
 def decide_remote(reports: list[dict], decision: str, nums: dict, margin: float,
-                  local_survives: bool) -> tuple[str, str, str]:
+                  local_survives: bool, step: int | None = None) -> tuple[str, str, str]:
     """(every rank alike) What reaches the remote tier inside the window, given the local
     decision: (remote decision, local decision, why).
 
@@ -123,14 +127,27 @@ def decide_remote(reports: list[dict], decision: str, nums: dict, margin: float,
     is skipped too and the window goes to that upload."""
     left = nums["left_s"]
     est, infl_left, piece = nums["est_save_s"], nums["inflight_left_s"], nums["inflight_piece_s"]
+    # "committed": the stop's step was committed already (a save at this step waited for):
+    # nothing to do locally, its upload may still be needed (before 2026-12-06 it never was)
     local_s = {"save": est, "wait_then_save": infl_left + est, "supersede": piece + est,
-               "wait": infl_left}.get(decision)
+               "wait": infl_left, "committed": 0.0}.get(decision)
     up_s = max(r.get("up_est_s", 0.0) for r in reports)
     ups = [r["up_inflight_step"] for r in reports if r.get("up_inflight_step") is not None]
     up_left = max((r.get("up_inflight_left_s", 0.0) for r in reports), default=0.0)
-    if local_s is not None and local_s + up_s <= left:
-        return "upload", decision, (f"local {local_s:.2f} s + upload {up_s:.2f} s fit the "
-                                    f"{left:.2f} s left")
+    # the uploader starts the new upload once the local commit is done and the superseded
+    # upload's file under way has ended (it stops between files): the later of the two
+    up_piece = max((r.get("up_inflight_piece_s", r.get("up_inflight_left_s", 0.0))
+                    for r in reports), default=0.0)
+    if (decision == "committed" and ups and step is not None and max(ups) >= step
+            and up_left <= left):  # (its own upload is under way: let it end)
+        return "finish", decision, (f"the upload of step {max(ups)} in flight fits "
+                                    f"({up_left:.2f} s of {left:.2f} s)")
+    start = max(local_s, up_piece if ups else 0.0) if local_s is not None else None
+    if start is not None and start + up_s <= left:
+        return "upload", decision, (
+            f"local {local_s:.2f} s + upload {up_s:.2f} s fit the {left:.2f} s left" if start
+            == local_s else f"the file of the upload in flight ({up_piece:.2f} s) + upload "
+            f"{up_s:.2f} s fit the {left:.2f} s left")
     if ups and up_left <= left:
         if not local_survives and local_s is not None:
             return "finish", "skip", (

@@ -51,12 +51,14 @@ def report(ckpt: Any, nbytes: int, assumed_upload_mibps: float) -> dict:
                                   inflight=tier.current())
 
 
-def reduce(ckpt: Any, reports: list, decision: str, nums: dict, margin: float) -> tuple:
-    """Step 3: (local decision, nums with "remote" and "remote_why")."""
+def reduce(ckpt: Any, reports: list, decision: str, nums: dict, margin: float,
+           step: int | None = None) -> tuple:
+    """Step 3: (local decision, nums with "remote" and "remote_why"); ``step``: the stop's."""
     if tier_of(ckpt) is None:
         return decision, nums
     local_survives = bool(ckpt.options.local_survives)
-    remote, local, why = budget.decide_remote(reports, decision, nums, margin, local_survives)
+    remote, local, why = budget.decide_remote(reports, decision, nums, margin, local_survives,
+                                              step)
     return local, dict(nums, remote=remote, remote_why=why, local_survives=local_survives,
                        local_was=decision)
 

@@ -421,7 +421,8 @@ class Preemption:
             decision, nums = self._collect(
                 "est", mine, self._dl(-margin), "budget exchange",
                 lambda reports: tiered.reduce(self.ckpt, reports,
-                                              *self.decide(reports, step, margin), margin))
+                                              *self.decide(reports, step, margin), margin,
+                                              step))
             self.event("decision", decision=decision, step=step, **nums)
             tiered.before_save(self.ckpt, nums, self.event)
             log.warning("fastckpt: rank %d: preemption decision at step %d: %s (left %.2f s, "
