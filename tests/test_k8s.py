@@ -65,8 +65,9 @@ def test_cli_takes_the_grace_window_from_the_bench_record(tmp_path, capsys):
         _valid(d)
     pod = docs[-1]["spec"]["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] == 77
-    assert pod["containers"][0]["command"] == ["fastckpt", "resume", str(root), "--",
-                                               "python", "train.py"]  # exec form: not torchrun
+    # exec form, supervised: the supervisor is PID 1 (it handles SIGTERM from the start)
+    assert pod["containers"][0]["command"] == ["fastckpt", "resume", str(root), "--supervise",
+                                               "--", "python", "train.py"]
     assert docs[-1]["metadata"]["name"] == "run"
 
 

@@ -59,6 +59,8 @@ def test_script_is_bash_and_says_what_it_must(launcher):
         assert words[srun + 3:srun + 8] == ["fastckpt", "resume", "/nvme/ck/run 1", "-q",
                                             "--supervise"]
         assert "--nnodes=2" in words and "--nproc-per-node=2" in words
+        # the time limit's USR1 reaches the ranks as USR1 (their window, not KillWait's)
+        assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in words
 
 
 def test_script_refuses_what_cannot_work():

@@ -84,6 +84,89 @@ def test_supervised_torchrun_stops_saves_and_exits_143(tmp_path, sig):
         min(sup[-1]["teardown_s"] * 1.25 + 0.25, armed["grace_s"] / 2), abs=2e-3)
 
 
+def _children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def test_supervised_torchrun_passes_usr1_on_as_itself_and_waits_the_window(tmp_path):
+    """Slurm's time-limit warning (SIGUSR1) reaches the ranks as SIGUSR1 when torchrun is told
+    to pass it on (``--signals-to-handle``, as the generated Slurm script does), so the ranks
+    budget the USR1 window, not SIGTERM's (KillWait): before 2026-12-06 the supervisor turned
+    it into SIGTERM. And torchrun is given the ranks' longest window before it SIGKILLs them
+    (TORCH_ELASTIC_SHUTDOWN_TIMEOUT: 30 s otherwise, which killed longer saves mid-write)."""
+    root, progress = str(tmp_path / "ck"), str(tmp_path / "progress")
+    env = {**_env(), "FASTCKPT_SIGNAL_GRACE_S": "SIGUSR1=45,SIGTERM=5"}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "fastckpt.cli", "resume", root, "--supervise", "--",
+         *TORCHRUN, "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1", WORKER, root, "100000",
+         progress], env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_steps(progress, 5, p)
+        (torchrun,) = _children(p.pid)
+        with open(f"/proc/{torchrun}/environ", "rb") as f:
+            seen = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        assert seen.get(b"TORCH_ELASTIC_SHUTDOWN_TIMEOUT") == b"50", seen.get(
+            b"TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+        p.send_signal(signal.SIGUSR1)
+    finally:
+        rc, err = _finish(p)
+    assert rc == preempt.EXIT_PREEMPTED, err[-3000:]
+    for r in (0, 1):
+        evs = [json.loads(line) for line in open(os.path.join(root, "events",
+                                                              f"rank{r:05d}.jsonl"))]
+        sig = [e for e in evs if e["event"] == "signal"][-1]
+        assert sig["signal"] == "SIGUSR1", sig
+        dec = [e for e in evs if e["event"] == "decision"][-1]
+        assert dec["left_s"] > 20, dec  # the USR1 window (45 s), not SIGTERM's 5 s
+
+
+def test_supervised_torchrun_on_a_remote_root_exits_143(tmp_path):
+    """A remote ROOT (fsspec's ``local://`` stands in for s3://: the ranks' files are not
+    under a local ROOT/events): the supervisor points the ranks' event log at a directory on
+    this machine and exits with their 143 (before 2026-12-06 no rank logged anything it could
+    read, and it exited with torchrun's 1: a failure to Kubernetes, no requeue on Slurm)."""
+    import shutil
+    from fastckpt.cli.supervise import local_events
+    root, progress = "local://" + str(tmp_path / "ck"), str(tmp_path / "progress")
+    events = local_events(root)
+    shutil.rmtree(events, ignore_errors=True)
+    try:
+        p = _supervised(root, progress, 100000)
+        _wait_steps(progress, 5, p)
+        p.send_signal(signal.SIGTERM)
+        rc, err = _finish(p)
+        assert rc == preempt.EXIT_PREEMPTED, err[-3000:]
+        assert "the ranks logged a stop with exit code 143" in err
+        assert preempt.job_exit_code(events) == 143
+    finally:
+        shutil.rmtree(events, ignore_errors=True)
+
+
+def test_torchrun_shutdown_timeout_and_signals_from_the_command():
+    from fastckpt.cli.supervise import torchrun_env, torchrun_signals
+    tr = ("torchrun", "--nproc-per-node=2", "train.py")
+    assert torchrun_env(tr, {"FASTCKPT_GRACE_S": "90"}) == {
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "95"}
+    assert torchrun_env(tr, {"FASTCKPT_SIGNAL_GRACE_S": "SIGUSR1=120,SIGTERM=30"}) == {
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "125"}
+    # no window configured: the ranks assume 30 s (or their platform's), torchrun 30 s + 5
+    assert torchrun_env(tr, {}) == {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "35"}
+    assert torchrun_env(tr, {"FASTCKPT_GRACE_S": "10"}) == {}  # (30 s: torchrun's own)
+    assert torchrun_env(tr, {"FASTCKPT_GRACE_S": "90",
+                             "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "40"}) == {}  # the user's
+    assert torchrun_env(("torchrun", "--shutdown-timeout", "40", "t.py"),
+                        {"FASTCKPT_GRACE_S": "90"}) == {}
+    assert torchrun_env(("python", "train.py"), {"FASTCKPT_GRACE_S": "90"}) == {}
+    assert torchrun_signals(("torchrun", "--signals-to-handle", "SIGTERM,sigusr1", "t.py")) == {
+        "SIGTERM", "SIGUSR1"}
+    assert torchrun_signals(("torchrun", "t.py", "--signals-to-handle=SIGUSR1")) == set()
+    assert torchrun_signals(("srun", "--signals-to-handle=SIGUSR1")) == set()
+
+
 def test_teardown_reserve_from_measurements_configuration_or_default(tmp_path):
     from fastckpt.preempt.budget import teardown_reserve
     ev = tmp_path / "events"
@@ -193,3 +276,40 @@ def test_a_bad_event_log_keeps_the_commands_exit_code(tmp_path, log):
                         "--supervise", "--", "sh", "-c", "exit 143"],
                        env=_env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 143, r.stderr[-2000:]
+
+
+PID1_WORKER = """
+import os, sys, time, torch, fastckpt
+ck = fastckpt.Checkpointer(sys.argv[1], grace_s=10)
+ck.save({"w": torch.zeros(1000)}, step=1, on_preempt=True)
+ck.close()
+print(f"pid {os.getpid()} closed", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_closed_job_running_as_pid_1_still_stops_on_sigterm(tmp_path):
+    """A container's PID 1 (``fastckpt resume ROOT -- CMD`` in exec form): the kernel delivers
+    no signal left at its default disposition to a PID namespace's init, so a job that closed
+    its Checkpointer (the trap gives SIGTERM "its default" back) ignored the kubelet's SIGTERM
+    and waited for SIGKILL, the whole grace period (before 2026-12-06). A real PID namespace
+    (``unshare --pid``); skipped where this process may not make one."""
+    import shutil
+    unshare = shutil.which("unshare")
+    cmd = [unshare, "--pid", "--fork", "--kill-child"] if unshare else None
+    if cmd is None or subprocess.run([*cmd, "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare --pid is not available here")
+    p = subprocess.Popen([*cmd, sys.executable, "-c", PID1_WORKER, str(tmp_path / "ck")],
+                         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("pid 1 closed"), (line, p.poll())
+        (child,) = _children(p.pid)
+        t0 = time.monotonic()
+        os.kill(child, signal.SIGTERM)  # from outside its namespace, as the kubelet's
+        rc = p.wait(timeout=30)
+        assert rc == 143 and time.monotonic() - t0 < 10, (rc, p.stderr.read()[-2000:])
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

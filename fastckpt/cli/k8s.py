@@ -7,7 +7,6 @@ import click
 
 from ..tools.k8s import job_manifests, to_yaml
 from .base import EXIT_OK, EXIT_USAGE, CliError, cli, grace_window, job_name, write_or_print
-from .supervise import is_torchrun
 
 K8S_EXIT_CODES = """\b
 Exit codes:
@@ -38,8 +37,9 @@ Exit codes:
 def k8s(root: str, cmd: tuple[str, ...], image: str, grace: int | None, name: str | None,
         parallelism: int, backoff_limit: int, priority_class: str | None,
         priority: int | None, namespace: str | None, output: str | None) -> int:
-    """A Kubernetes Job running CMD checkpointed under ROOT: exec-form entrypoint (the kubelet's
-    SIGTERM reaches the training process; torchrun is supervised), terminationGracePeriodSeconds
+    """A Kubernetes Job running CMD checkpointed under ROOT: exec-form entrypoint, fastckpt's
+    supervisor as the container's PID 1 (it passes the kubelet's SIGTERM on and exits with the
+    ranks' code), terminationGracePeriodSeconds
     from the measured grace window, and a podFailurePolicy that restarts preempted pods (exit
     143, DisruptionTarget) without counting them against backoffLimit."""
     grace, source = grace_window(root, grace)
@@ -47,7 +47,7 @@ def k8s(root: str, cmd: tuple[str, ...], image: str, grace: int | None, name: st
     try:
         docs = job_manifests(name=name, image=image, root=root, cmd=list(cmd), grace_s=grace,
                              parallelism=parallelism, backoff_limit=backoff_limit,
-                             supervise=is_torchrun(cmd), priority_class=priority_class,
+                             supervise=True, priority_class=priority_class,
                              priority=priority, namespace=namespace)
     except ValueError as e:
         raise CliError(str(e), EXIT_USAGE) from None

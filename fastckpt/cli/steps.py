@@ -116,7 +116,8 @@ def resume(root: str, cmd: tuple[str, ...], as_json: bool, do_verify: bool, quie
         if found is not None:
             env[ENV_STEP] = str(found[0])
             env[ENV_PATH] = display_path(storage, found[1])
-        from .supervise import is_torchrun
+        from .supervise import is_torchrun, torchrun_env
+        env.update(torchrun_env(cmd, env))  # (torchrun waits the ranks' window, not 30 s)
         mapped = {} if is_torchrun(cmd) else torch_env_from_slurm(env)
         env.update(mapped)  # a rank srun started: torch.distributed's variables from Slurm's
         if mapped and not quiet:
@@ -133,7 +134,11 @@ def resume(root: str, cmd: tuple[str, ...], as_json: bool, do_verify: bool, quie
         try:
             if supervise:
                 from . import supervise as sup
-                return sup.run(cmd, env, events=sup.events_dir(root), signal_as=signal_as,
+                events = sup.events_dir(root)
+                if events is None:  # a remote ROOT: the ranks log here, where it is read
+                    events = sup.local_events(root)
+                    env.update(sup.event_log_env(events))
+                return sup.run(cmd, env, events=events, signal_as=signal_as,
                                echo=lambda m: _echo(m, err=True), requeue=requeue)
             os.execvpe(cmd[0], list(cmd), env)
         except FileNotFoundError:

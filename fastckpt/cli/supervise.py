@@ -27,6 +27,7 @@ bounds that, as it bounds every process of the job.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -45,6 +46,68 @@ def is_torchrun(cmd: tuple[str, ...]) -> bool:
         return True
     return any(a == "-m" and b in ("torch.distributed.run", "torch.distributed.launch")
                for a, b in zip(cmd, cmd[1:]))
+
+
+#: torchrun's wait between passing a stop signal on and SIGKILLing its workers when neither
+#: --shutdown-timeout nor TORCH_ELASTIC_SHUTDOWN_TIMEOUT sets it (torch 2.13)
+TORCHRUN_SHUTDOWN_S = 30
+_SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+
+
+def _torchrun_option(cmd: tuple[str, ...], *names: str) -> str | None:
+    """The value of a torchrun option (``--name V`` or ``--name=V``) before the script."""
+    for i, a in enumerate(cmd):
+        key, eq, val = a.partition("=")
+        if key in names:
+            return val if eq else (cmd[i + 1] if i + 1 < len(cmd) else None)
+        if a.endswith(".py"):  # the training script: its own options follow
+            return None
+    return None
+
+
+def torchrun_signals(cmd: tuple[str, ...]) -> set[str]:
+    """The signals CMD's torchrun is told to pass on to its workers as themselves
+    (``--signals-to-handle``); empty when CMD is not torchrun or the option is not given
+    (older torchrun dies of SIGUSR1: it is then passed on as SIGTERM)."""
+    if not is_torchrun(cmd):
+        return set()
+    val = _torchrun_option(cmd, "--signals-to-handle", "--signals_to_handle")
+    return {n.strip().upper() for n in (val or "").split(",") if n.strip()}
+
+
+def torchrun_env(cmd: tuple[str, ...], env: dict) -> dict:
+    """For CMD torchrun: ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` covering the ranks' longest grace
+    window (+ 5 s), unless it or ``--shutdown-timeout`` is set. torchrun SIGKILLs its workers
+    30 s after passing the stop on: ranks told of a longer window (FASTCKPT_GRACE_S,
+    FASTCKPT_SIGNAL_GRACE_S, a platform's) were killed mid-save, and torchrun's exit 1 then
+    made the job a failure (before 2026-12-06)."""
+    if (not is_torchrun(cmd) or _SHUTDOWN_ENV in env
+            or _torchrun_option(cmd, "--shutdown-timeout", "--shutdown_timeout") is not None):
+        return {}
+    from ..options import options_from_env, platform_grace
+    try:
+        o = options_from_env(environ=env)
+    except ValueError:  # a bad FASTCKPT_* variable: the ranks will say so
+        return {}
+    window = max([o.grace_s or platform_grace(env)[1], *(o.signal_grace_s or {}).values()])
+    secs = math.ceil(window) + 5
+    return {_SHUTDOWN_ENV: str(secs)} if secs > TORCHRUN_SHUTDOWN_S else {}
+
+
+def event_log_env(path: str) -> dict:
+    """The environment that points the ranks' event log at ``path`` (the ``event_log``
+    option)."""
+    return {"FASTCKPT_" + "EVENT_LOG": path}
+
+
+def local_events(root: str) -> str:
+    """The event log directory a supervisor gives ranks saving to a remote ROOT (their log
+    is read here, on this machine): one per user and root under the temporary directory,
+    the same across requeues (the teardown measurements stay)."""
+    import hashlib
+    import tempfile
+    tag = hashlib.sha1(root.encode()).hexdigest()[:12]
+    return os.path.join(tempfile.gettempdir(), f"fastckpt-events-{os.getuid()}-{tag}")
 
 
 def is_srun(cmd: tuple[str, ...]) -> bool:
@@ -87,6 +150,7 @@ def _run(cmd: tuple[str, ...], env: dict, *, events: str | None, signal_as: str 
     srun = is_srun(cmd) and not signal_as
     as_sig = signal.Signals[signal_as] if signal_as else (
         signal.SIGTERM if is_torchrun(cmd) else None)
+    as_itself = set() if signal_as else torchrun_signals(cmd)  # (torchrun passes those on)
     started = time.time()
     child = subprocess.Popen(list(cmd), env=env)
     received: list[int] = []
@@ -95,7 +159,8 @@ def _run(cmd: tuple[str, ...], env: dict, *, events: str | None, signal_as: str 
         received.append(signum)
         if srun and signum not in (signal.SIGUSR1, signal.SIGUSR2):
             return  # Slurm signals the step's tasks itself; srun would SIGKILL them
-        to = signum if signum == signal.SIGINT or as_sig is None else as_sig
+        to = (signum if signum == signal.SIGINT or as_sig is None
+              or signal.Signals(signum).name in as_itself else as_sig)
         try:
             child.send_signal(to)
         except ProcessLookupError:

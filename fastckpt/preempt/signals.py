@@ -49,6 +49,18 @@ def signame(num: int) -> str:
 _WARNINGS = frozenset(getattr(signal, n) for n in ("SIGUSR1", "SIGUSR2") if hasattr(signal, n))
 
 
+def _exit_as_default(signum: int, frame: object) -> None:
+    os._exit(128 + signum)  # (what the default disposition does, less a core dump)
+
+
+def _default():
+    """The handler that stands for "the default": SIG_DFL, except in a PID namespace's init
+    (a container's PID 1: ``fastckpt resume ROOT -- CMD`` in exec form), to which the kernel
+    delivers no signal left at its default: a closed job ignored the kubelet's SIGTERM there
+    and waited for its SIGKILL (before 2026-12-06)."""
+    return _exit_as_default if os.getpid() == 1 else signal.SIG_DFL
+
+
 def _after_fork_child() -> None:
     """In a forked child (DataLoader worker): give the signals back, never act on them."""
     trap = _active
@@ -114,7 +126,8 @@ class SignalTrap:
         the orchestrator sends it only because the job asked for a warning (``--signal``), and
         a job that ends its work near its time limit must not die of the warning in its
         teardown (CI caught a finished Slurm job marked FAILED, 138). SIGTERM gets its default
-        back. Idempotent."""
+        back (as PID 1, a container's init, to which the kernel delivers no signal left at
+        its default: a handler that exits 128 + N, as the default would). Idempotent."""
         global _active
         if not self.forked and threading.current_thread() is threading.main_thread():
             try:
@@ -125,7 +138,7 @@ class SignalTrap:
                         continue  # a handler installed after ours (Lightning's, submitit's)
                     default = old is None or old == signal.SIG_DFL
                     signal.signal(s, signal.SIG_IGN if ignore or (default and s in _WARNINGS)
-                                  else signal.SIG_DFL if default else old)
+                                  else _default() if default else old)
             except Exception as e:  # noqa: BLE001
                 log.warning("fastckpt: could not restore signal handlers: %s", e)
         self.old_handlers = {}

@@ -102,9 +102,12 @@ class Preemption:
         # KillWait, scancel's SIGTERM gives KillWait)
         self.signal_grace = {int(getattr(signal, n.upper())): float(v)
                              for n, v in (opts.signal_grace_s or {}).items()}
-        self.teardown_s, self.teardown_source = teardown_reserve(
-            opts.teardown_s, self.grace_s,
-            os.path.join(ckpt.storage.root, "events") if ckpt.storage.is_local else None)
+        path = opts.event_log
+        if path is None and ckpt.storage.is_local:
+            path = os.path.join(ckpt.storage.root, "events")
+        # (the supervisor's measurements are where the ranks log: event_log, or ROOT/events)
+        self.teardown_s, self.teardown_source = teardown_reserve(opts.teardown_s, self.grace_s,
+                                                                 path)
         self.preempt_sigs = {int(getattr(signal, n)) for n in opts.preempt_signals}
         self.cancel_sigs = {int(getattr(signal, n)) for n in opts.cancel_signals}
         with _lock:
@@ -112,9 +115,6 @@ class Preemption:
             self.prefix = f"preempt/{_instances}"
         self.group = ckpt.group
         self.ex = ckpt.group.exchange
-        path = opts.event_log
-        if path is None and ckpt.storage.is_local:
-            path = os.path.join(ckpt.storage.root, "events")
         self.event = EventLog(os.path.join(path, f"rank{self.rank:05d}.jsonl") if path else None,
                               self.rank)
         # shared state (training thread / watcher / handlers)

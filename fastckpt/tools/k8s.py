@@ -6,10 +6,13 @@ What the Job encodes, and why:
 - ``terminationGracePeriodSeconds``: the window between the kubelet's SIGTERM and its SIGKILL,
   from the grace window ``fastckpt bench ROOT`` measured (or ``--grace``); the ranks get
   ``FASTCKPT_GRACE_S`` a few seconds shorter, for their teardown.
-- The container's command is fastckpt's resume in exec form (``fastckpt resume ROOT -- CMD``):
-  the process the kubelet signals is the training process, not a shell that would not pass the
-  signal on; when CMD is torchrun, the supervised form, which passes it on as SIGTERM and
-  exits with the ranks' code (see docs/preemption.md).
+- The container's command is fastckpt's supervised resume in exec form (``fastckpt resume
+  ROOT --supervise -- CMD``): the container's PID 1, which the kubelet signals, is the
+  supervisor, not a shell that would not pass the signal on, nor the training process (the
+  kernel drops a signal to PID 1 that has no handler: SIGTERM before the trap is installed
+  and after it is closed); it passes the signal on (as SIGTERM to torchrun, which sets
+  TORCH_ELASTIC_SHUTDOWN_TIMEOUT from the window) and exits with the ranks' code (see
+  docs/preemption.md). Before 2026-12-06 only torchrun was supervised.
 - ``restartPolicy: Never`` with a ``podFailurePolicy``: exit 143 (preempted, checkpoint
   committed) and a pod the cluster disrupted (``DisruptionTarget``: preemption, eviction, node
   drain) start a new pod without counting against ``backoffLimit``; a crash (1) or a failed

@@ -106,15 +106,24 @@ def sbatch_script(*, root: str, cmd: list[str], grace_s: int, source: str, name:
         body += [
             "head=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)",
             f"port=$(( {rdzv_port} + SLURM_JOB_ID % 20000 ))",
-            "# one torchrun per node, each under a supervisor that passes the stop on as SIGTERM",
+            "# one torchrun per node under a supervisor; torchrun passes USR1 (the time limit)",
+            "# and SIGTERM on as themselves (--signals-to-handle), so each rank knows its window,",
+            "# and waits that window before SIGKILL (the supervisor sets",
+            "# TORCH_ELASTIC_SHUTDOWN_TIMEOUT from FASTCKPT_SIGNAL_GRACE_S)",
             "exec fastckpt resume " + q(root) + " --supervise --requeue -- \\",
             "    " + " ".join(q(a) for a in srun) + " \\",
             f"    fastckpt resume {q(root)} -q --supervise -- \\",
             f"    torchrun --nnodes={nodes} --nproc-per-node={ntasks_per_node} "
             "--rdzv-backend=c10d --rdzv-endpoint=\"$head:$port\" --rdzv-id=\"$SLURM_JOB_ID\" \\",
+            f"    --signals-to-handle={TORCHRUN_SIGNALS} \\",
             "    " + " ".join(q(a) for a in cmd),
         ]
     return "\n".join(head + body) + "\n"
+
+
+#: the signals the generated torchrun passes on to its workers as themselves (torch 2.13's
+#: ``--signals-to-handle``; its default lacks SIGUSR1, of which torchrun would die)
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
 def default_logs(root: str) -> str:
