@@ -105,7 +105,6 @@ class Preemption:
         path = opts.event_log
         if path is None and ckpt.storage.is_local:
             path = os.path.join(ckpt.storage.root, "events")
-        # (the supervisor's measurements are where the ranks log: event_log, or ROOT/events)
         self.teardown_s, self.teardown_source = teardown_reserve(opts.teardown_s, self.grace_s,
                                                                  path)
         self.preempt_sigs = {int(getattr(signal, n)) for n in opts.preempt_signals}
