@@ -568,3 +568,19 @@ def test_a_tiers_record_naming_a_local_path_is_ignored(tmp_path, capsys):
     assert json.loads(out)["step"] == 1 and json.loads(out)["tier"] == "local"
     code, out = _cli(capsys, "ls", str(local), "--json")
     assert "remote" not in json.loads(out)
+
+
+def test_keep_steps_holds_on_both_tiers(tmp_path):
+    """``keep_steps`` (the Hugging Face callback's best step) survives the tier's retention
+    after each upload, locally and remotely, as on an untiered root (before 2026-12-06 both
+    tiers' retention after an upload removed it). The remote tier is a second local root
+    here: the retention code is the same for every backend."""
+    from fastckpt.storage import open_storage
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    remote.mkdir()
+    with fastckpt.Checkpointer(str(local), remote=open_storage(str(remote)), keep_last=2) as ck:
+        ck.keep_steps({2})
+        for s in range(1, 7):
+            ck.save({"w": torch.full((1000,), float(s))}, step=s).wait().wait_remote(timeout=60)
+    assert fastckpt.steps(str(local)) == [2, 5, 6]
+    assert fastckpt.steps(str(remote)) == [2, 5, 6]

@@ -459,14 +459,17 @@ class Tier:
             # partial steps newer than this one are kept: the other ranks do not wait for
             # this housekeeping, and a rank frozen by a preemption may be uploading the
             # emergency step already (CI caught its files removed, the step committed without)
+            # keep_steps (an integration's: the Trainer's best step) holds on both tiers
+            # (before 2026-12-06 both tiers' retention here removed it)
+            kept = self.engine._writer.keep
             parts.append(("remote retention", lambda: apply_retention(
-                st, self.keep_last, protect={up.step}, force_partial=True,
+                st, self.keep_last, protect={up.step} | kept, force_partial=True,
                 partial_below=up.step)))
             # the local steps kept for their upload (retention of the saves since protected
             # them); committed ones only: a save may be writing a partial step right now
             parts.append(("local retention", lambda: apply_retention(
                 self.engine.storage, self.engine.options.keep_last,
-                protect=self.protected() - {up.step}, committed_only=True)))
+                protect=(self.protected() - {up.step}) | kept, committed_only=True)))
         for what, fn in parts:
             try:
                 fn()
