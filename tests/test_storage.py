@@ -579,3 +579,34 @@ class TestS3Storage(StorageContract):
             s.connect(("192.0.2.1", 9))  # TEST-NET-1: refused before any packet is sent
         assert s3.guard.violations == ["('192.0.2.1', 9)"]
         s3.guard.violations.clear()
+
+
+def test_an_fsspec_root_with_glob_characters_removes_only_its_own_steps():
+    """fsspec's ``rm`` takes ``[``, ``*`` and ``?`` in a path as a glob pattern: retention and
+    ``fastckpt gc`` in a root ``.../run[1]`` removed the steps of the root ``.../run1`` and left
+    their own shards behind (before 2026-12-06). Real fsspec memory:// file system (gcsfs
+    and adlfs expand paths the same way; S3 deletes by prefix)."""
+    import fsspec
+    import torch
+
+    import fastckpt
+    from fastckpt.tools import plan_gc, run_gc
+    fs = fsspec.filesystem("memory")
+    b = f"b-{uuid.uuid4().hex[:8]}"
+    other, root = f"memory://{b}/run1", f"memory://{b}/run[1]"
+    with fastckpt.Checkpointer(other) as ck:
+        for s in (1, 2, 3):
+            ck.save({"w": torch.full((64,), float(s))}, step=s, block=True)
+    with fastckpt.Checkpointer(root, keep_last=1) as ck:
+        for s in (1, 2, 3):
+            ck.save({"w": torch.full((64,), float(s))}, step=s, block=True)
+    assert fastckpt.steps(other) == [1, 2, 3] and fastckpt.steps(root) == [3]
+    assert not [p for p in fs.store if p.startswith(f"/{b}/run[1]/step-0000000001")]
+    other2, root2 = f"memory://{b}/x", f"memory://{b}/[x]"
+    for r in (other2, root2):
+        with fastckpt.Checkpointer(r) as ck:
+            for s in (1, 2):
+                ck.save({"w": torch.full((64,), float(s))}, step=s, block=True)
+    acts = run_gc(root2, plan_gc(root2, keep=1))
+    assert [a.record.step for a in acts if a.done] == [1]
+    assert fastckpt.steps(other2) == [1, 2] and fastckpt.steps(root2) == [2]

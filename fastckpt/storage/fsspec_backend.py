@@ -39,7 +39,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
+import errno
 import logging
+import re
 import sys
 import threading
 import time
@@ -54,6 +56,10 @@ from .threads import Threads
 
 log = logging.getLogger("fastckpt")
 
+#: characters fsspec's rm/expand_path take as a glob pattern
+_GLOB = re.compile(r"[*?\[]")
+#: protocols without directories (a path's prefix is no object)
+_OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss"})
 _CHUNK = 16 << 20  # upload part size / write piece (s3 parts must be >= 5 MiB)
 #: reads of more than 2 pieces are split into ranged GETs fetched concurrently (on async file
 #: systems: s3fs, gcsfs); smaller reads are one request
@@ -356,6 +362,26 @@ class FsspecStorage(Storage):
         except Exception as e:
             raise storage_error(e, "publishing", self.display(path)) from e
 
+    def _remove_literal(self, path: str) -> None:
+        """``path`` and everything under it, each name taken literally (no glob expansion):
+        files one call each, then the directories where the backend has them."""
+        found = self._call("find", path, withdirs=True, detail=True)
+        dirs = [p for p, i in found.items() if i.get("type") == "directory"]
+        for p in sorted(set(found) - set(dirs)):
+            self._call("rm_file", p)
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (
+            self.fs.protocol,)
+        if _OBJECT_STORES.intersection(protocols):
+            return  # (no directories there; rmdir would name a bucket)
+        for p in sorted(dirs, key=len, reverse=True) + [path]:
+            try:
+                self._call("rmdir", p)
+            except (FileNotFoundError, NotImplementedError):
+                pass
+            except OSError as e:  # (not empty: written meanwhile; the next pass removes it)
+                if getattr(e, "errno", None) not in (None, errno.ENOTEMPTY):
+                    raise
+
     def remove(self, path: str) -> None:
         try:
             self._call("rm_file", path)
@@ -370,7 +396,10 @@ class FsspecStorage(Storage):
         try:
             # another process may have written under path since this one last listed it
             self.fs.invalidate_cache(path)
-            self._call("rm", path, recursive=True)
+            if _GLOB.search(path):  # fsspec's rm expands [ * ?: another root's files
+                self._remove_literal(path)  # (before 2026-12-06 removed them)
+            else:
+                self._call("rm", path, recursive=True)
         except FileNotFoundError:
             pass
         except Exception as e:
