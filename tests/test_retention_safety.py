@@ -194,3 +194,25 @@ def test_a_resume_falls_back_on_every_rank_when_one_ranks_data_is_damaged(tmp_pa
     distributed.run(_two_rank_save, 2, root)
     _flip_data(root, 2, "mine", rank=1)  # only rank 1 reads it
     assert distributed.run(_two_rank_resume, 2, root) == [(1, True), (1, True)]
+
+
+def test_a_stray_file_named_like_a_step_neither_stops_retention_nor_gc(tmp_path, capsys):
+    """A regular file named ``step-0000000000`` in the root (a stray download, a ``touch``)
+    is no step: retention keeps working around it and ``fastckpt gc --yes`` ends with exit 0,
+    leaving it alone (before 2026-12-06 every commit's retention failed on it, ENOTDIR, so no
+    step was ever removed, and gc stopped at it with exit 4)."""
+    import torch
+
+    import fastckpt
+    from tests.clirun import call
+    root = tmp_path / "ck"
+    root.mkdir()
+    (root / "step-0000000000").write_text("not a directory")
+    with fastckpt.Checkpointer(str(root), keep_last=2) as ck:
+        for s in range(1, 7):
+            ck.save({"w": torch.full((1024,), float(s))}, step=s, block=True)
+    assert fastckpt.steps(str(root)) == [5, 6]
+    rc, out, err = call("gc", str(root), "--keep", "1", "--yes", capsys=capsys)
+    assert rc == 0, (out, err)
+    assert fastckpt.steps(str(root)) == [6]
+    assert (root / "step-0000000000").read_text() == "not a directory"

@@ -29,10 +29,10 @@ MAX_SCANS = 20
 
 
 def list_steps(storage: Storage) -> list[tuple[int, str]]:
-    """(step, directory) of every step directory under the root, ascending (links inside a
-    local root are left out: see fastckpt/storage/local.py)."""
+    """(step, directory) of every step directory under the root, ascending (links and files
+    named like a step inside a local root are left out: see fastckpt/storage/local.py)."""
     out = []
-    for name in storage.listdir(storage.root):
+    for name in storage.subdirs(storage.root):
         s = fmt.parse_step_dirname(name)
         if s is not None:
             out.append((s, storage.join(name)))

@@ -92,6 +92,11 @@ class Storage(abc.ABC):
     def listdir(self, path: str) -> list[str]:
         """Base names of the entries of ``path``; ``[]`` when it does not exist."""
 
+    def subdirs(self, path: str) -> list[str]:
+        """Base names of the directories in ``path`` (step directories). This base: every
+        entry (an object store's prefixes); LocalStorage leaves files and links out."""
+        return self.listdir(path)
+
     def sizes(self, path: str) -> dict[str, int | None]:
         """Base name -> size in bytes of the entries of ``path`` (``{}`` when it does not
         exist), in one listing where the store gives sizes with it (local, S3, fsspec);

@@ -160,6 +160,18 @@ class LocalStorage(Storage):
             raise storage_error(e, "listing", path) from e
 
     @bounded_call("listing")
+    def subdirs(self, path: str) -> list[str]:
+        """Names of the directories in ``path``: not files (a stray file named like a step
+        stopped retention and gc before 2026-12-06), not links."""
+        try:
+            with os.scandir(path) as it:
+                return sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise storage_error(e, "listing", path) from e
+
+    @bounded_call("listing")
     def sizes(self, path: str) -> dict[str, int | None]:
         out: dict[str, int | None] = {}
         try:

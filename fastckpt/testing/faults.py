@@ -113,6 +113,11 @@ class FaultyStorage(Storage):
             self._point("during_retention")
         return self.inner.listdir(path)
 
+    def subdirs(self, path: str) -> list[str]:
+        if self._shared["committed"] and path.rstrip("/") == self.root.rstrip("/"):
+            self._point("during_retention")
+        return self.inner.subdirs(path)
+
     def read_bytes(self, path: str) -> bytes:
         return self.inner.read_bytes(path)
 
