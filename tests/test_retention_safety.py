@@ -216,3 +216,45 @@ def test_a_stray_file_named_like_a_step_neither_stops_retention_nor_gc(tmp_path,
     assert rc == 0, (out, err)
     assert fastckpt.steps(str(root)) == [6]
     assert (root / "step-0000000000").read_text() == "not a directory"
+
+
+def test_a_step_that_gc_removes_while_it_is_saved_again_is_never_committed(tmp_path):
+    """A job saving an older step again while ``fastckpt gc`` removes that step: gc's
+    re-check passed, then its removal took the manifest and the new save's shards written so
+    far. The save must fail (nothing committed) instead of publishing a manifest that names
+    removed files, a step every restart would fail on (the window a review found on
+    2026-12-06; the coordinator now checks its files are there just before the manifest).
+    The removal is done for real, at the point gc's would land: after the shards are written,
+    before the commit."""
+    import shutil
+
+    import torch
+
+    import fastckpt
+    from fastckpt.errors import SaveFailedError
+    from fastckpt.manifest import schema as fmt
+    from fastckpt.storage.local import LocalStorage
+
+    class GcMidSave(LocalStorage):
+        victim = None
+
+        def sync_dir(self, path):
+            if self.victim and path.rstrip("/").endswith(self.victim):
+                os.remove(os.path.join(path, fmt.MANIFEST))  # gc: the manifest first,
+                for n in os.listdir(path):  # then the tree as listed (rmtree)
+                    if n.endswith(fmt.SHARD_SUFFIX):
+                        os.remove(os.path.join(path, n))
+                self.victim = None
+            return super().sync_dir(path)
+    root = str(tmp_path / "ck")
+    st = GcMidSave(root)
+    with fastckpt.Checkpointer(st) as ck:
+        for s in (1, 2, 3, 4):
+            ck.save({"w": torch.full((4096,), float(s))}, step=s, block=True)
+        st.victim = fmt.step_dirname(3)
+        with pytest.raises(SaveFailedError, match="gone or changed just before its commit"):
+            ck.save({"w": torch.full((4096,), 30.0)}, step=3, block=True)
+    assert fastckpt.steps(root) == [1, 2, 4]
+    got = {"w": torch.zeros(4096)}
+    assert fastckpt.load(got, root) == 4 and torch.equal(got["w"], torch.full((4096,), 4.0))
+    shutil.rmtree(root)

@@ -49,7 +49,7 @@ from ..storage import bounded as _bounded
 from ..storage.threads import Threads
 from . import dist as _dist
 from . import handle as _handle
-from .commit import commit, publish_checked
+from .commit import check_present, commit, publish_checked
 from .handle import SaveHandle
 from .plan import SavePlan
 from .staging import Gathered, StagingPool
@@ -499,6 +499,8 @@ class Writer:
         # (before the write: a coordinator that finds its manifest there after an unclear
         # write, ``_committed_anyway``, keeps these in its housekeeping)
         job.files = set(files) | {i["file"] for i in indexes}
+        check_present(st, d, {**{n: f["size"] for n, f in files.items()},
+                              **{i["file"]: None for i in indexes}})
         publish_checked(st, self.storage, f"{d}/{fmt.MANIFEST}", data, plan.save_id,
                         step=plan.step)
         job.manifest = data

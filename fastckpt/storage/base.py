@@ -101,7 +101,7 @@ class Storage(abc.ABC):
         """Base name -> size in bytes of the entries of ``path`` (``{}`` when it does not
         exist), in one listing where the store gives sizes with it (local, S3, fsspec);
         here, one ``size`` per entry."""
-        return {n: self.size(self.join(path, n)) for n in self.listdir(path)}
+        return {n: self.size(f"{path.rstrip('/')}/{n}") for n in self.listdir(path)}
 
     @abc.abstractmethod
     def read_bytes(self, path: str) -> bytes:
