@@ -188,8 +188,9 @@ def _give_up(p: _Pool, call: _Call, fut: _Future, bound: float) -> None:
                + ("" if call.what in _READS else
                   "; it may have taken effect (outcome unknown)" if unknown else
                   "; it will not take effect (stopped at its commit point)"))
-    err = StorageTimeoutError(msg + "; check the mount: the call keeps its thread until it returns, "
-                       "and the process may not exit before then", file=call.path)
+    err = StorageTimeoutError(msg + "; check the mount: the call keeps its thread until it "
+                              "returns, and the process may not exit before then",
+                              file=call.path)
     err.outcome_unknown = unknown  # type: ignore[attr-defined]
     raise err
 
