@@ -279,7 +279,10 @@ def test_a_bad_event_log_keeps_the_commands_exit_code(tmp_path, log):
 
 
 PID1_WORKER = """
-import os, sys, time, torch, fastckpt
+import os, signal, sys, time, torch, fastckpt
+# as a container's init starts: SIGTERM at its default (an ignored disposition is inherited,
+# and an earlier in-process test may leave the test process ignoring SIGTERM)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
 ck = fastckpt.Checkpointer(sys.argv[1], grace_s=10)
 ck.save({"w": torch.zeros(1000)}, step=1, on_preempt=True)
 ck.close()
