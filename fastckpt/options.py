@@ -238,6 +238,10 @@ class CheckpointOptions:
                 "max_attempts": self.remote_max_attempts, "conditional": self.conditional_put}
 
 
+#: the variable that sets the ``event_log`` option (the supervisor sets it for a remote ROOT)
+EVENT_LOG_ENV = "FASTCKPT_EVENT_LOG"
+
+
 def options_from_env(base: CheckpointOptions | None = None,
                      environ: dict | None = None) -> CheckpointOptions:
     """Apply FASTCKPT_* environment variables on top of ``base``.
@@ -286,8 +290,8 @@ def options_from_env(base: CheckpointOptions | None = None,
     if "FASTCKPT_PREEMPT_SIGNALS" in env:
         changes["preempt_signals"] = tuple(
             n.strip().upper() for n in env["FASTCKPT_PREEMPT_SIGNALS"].split(",") if n.strip())
-    if "FASTCKPT_EVENT_LOG" in env:
-        changes["event_log"] = env["FASTCKPT_EVENT_LOG"]
+    if EVENT_LOG_ENV in env:
+        changes["event_log"] = env[EVENT_LOG_ENV]
     if "FASTCKPT_COMMIT_TIMEOUT_S" in env:
         changes["commit_timeout_s"] = float(env["FASTCKPT_COMMIT_TIMEOUT_S"])
     if "FASTCKPT_PLAN_TIMEOUT_S" in env:

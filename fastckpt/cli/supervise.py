@@ -97,7 +97,8 @@ def torchrun_env(cmd: tuple[str, ...], env: dict) -> dict:
 def event_log_env(path: str) -> dict:
     """The environment that points the ranks' event log at ``path`` (the ``event_log``
     option)."""
-    return {"FASTCKPT_" + "EVENT_LOG": path}
+    from ..options import EVENT_LOG_ENV
+    return {EVENT_LOG_ENV: path}
 
 
 def local_events(root: str) -> str:

@@ -186,17 +186,16 @@ def _late(deadline: float) -> str:
     return f"deadline passed {max(0.0, time.monotonic() - deadline):.1f}s ago"
 
 
-def check_present(st: Storage, d: str, sizes: dict[str, int | None]) -> None:
-    """(coordinator, a local root) Every file the manifest names is in ``d`` at its size (None:
-    present) just before it is published: a ``fastckpt gc`` that removed the step meanwhile (a
+def check_present(st: Storage, d: str, sizes: dict[str, int]) -> None:
+    """(coordinator, a local root) Every file the manifest names is in ``d`` at its size just
+    before it is published: a ``fastckpt gc`` that removed the step meanwhile (a
     job saving an older step again, which gc was removing) fails the save instead of
     committing a manifest that names removed files (a review found that window, 2026-12-06).
     Object stores: not checked (a listing of thousands of keys per save)."""
     if not st.is_local:
         return
     there = st.sizes(d)
-    bad = sorted(n for n, size in sizes.items()
-                 if n not in there or (size is not None and there[n] != size))
+    bad = sorted(n for n, size in sizes.items() if there.get(n) != size)
     if bad:
         raise StorageError(f"{len(bad)} file(s) of this save are gone or changed just before "
                            f"its commit (first: {bad[0]}): removed meanwhile (fastckpt gc of "

@@ -500,7 +500,7 @@ class Writer:
         # write, ``_committed_anyway``, keeps these in its housekeeping)
         job.files = set(files) | {i["file"] for i in indexes}
         check_present(st, d, {**{n: f["size"] for n, f in files.items()},
-                              **{i["file"]: None for i in indexes}})
+                              **{i["file"]: i["size"] for i in indexes}})
         publish_checked(st, self.storage, f"{d}/{fmt.MANIFEST}", data, plan.save_id,
                         step=plan.step)
         job.manifest = data

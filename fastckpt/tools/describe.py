@@ -175,7 +175,9 @@ def _describe_one(storage: Storage, step: int, d: str, now: float, grace: float,
     if storage.is_local:  # a directory a save just created, before its marker is written
         try:
             mtimes.append(storage.run("stat", os.lstat, d, path=d).st_mtime)
-        except (OSError, StorageError):
+        except StorageTimeoutError:
+            raise
+        except OSError:
             pass
     rec.modified_unix = max(mtimes) if mtimes else None
     body = None
