@@ -585,8 +585,8 @@ def _verify(storage: Storage, d: str, body: dict, res: ConvertResult) -> None:
     SRC as they were written) and the zero padding; CorruptCheckpointError before the commit."""
     problems, by_file = check_layout(body)
     for name, info in sorted(body["files"].items()):
-        probs, nread, _ = verify_file(storage, d, name, info, by_file.get(name, []),
-                                      VERIFY_BLOCK, None)
+        probs, nread, _, _ = verify_file(storage, d, name, info, by_file.get(name, []),
+                                         VERIFY_BLOCK, None)
         problems += probs
         res.bytes_verified += nread
     if problems:

@@ -282,3 +282,86 @@ def test_a_forked_child_loads_a_compressed_checkpoint(tmp_path):
     r = subprocess.run([sys.executable, "-c", FORKED_LOAD, str(tmp_path / "ck")],
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+
+
+def _damage_first_compressed_frame(root: str, step: int) -> tuple[dict, int, int]:
+    """Flip the magic of the first compressed (not raw) frame of 'w''s first chunk and write
+    the chunk's checksum of the damaged bytes into the manifest, as a writer bug (or a crafted
+    file) would leave it: every byte matches its checksum, the frame does not decode. Returns
+    the chunk, the damaged byte's file offset and the frame's index."""
+    import xxhash
+
+    from fastckpt.manifest import schema as fmt
+    from fastckpt.storage import codec
+    doc = _manifest(root, step)
+    t = doc["body"]["tensors"]["w"]
+    c = t["chunks"][0]
+    raw = 1
+    for s in c["sizes"]:
+        raw *= s
+    raw *= torch.empty(0, dtype=getattr(torch, t["dtype"])).element_size()
+    desc = c["codec"]
+    planes = []  # (stored offset in the chunk, stored length, raw length) per frame
+    pos = 0
+    for _, spos, slen, _, rlen in codec.frame_spans(desc, raw):
+        first = len(planes)
+        n = rlen // desc["group"]
+        for k in range(desc["group"]):
+            f = desc["frames"][first + k]
+            planes.append((pos, f, n + (rlen % desc["group"] if k == desc["group"] - 1 else 0)))
+            pos += f
+    i, at = next((i, p) for i, (p, f, n) in enumerate(planes)
+                 if f < n // 2)  # a frame zstd really compressed
+    path = os.path.join(root, f"step-{step:010d}", c["file"])
+    with open(path, "r+b") as f:
+        f.seek(c["offset"] + at)
+        b = f.read(1)
+        f.seek(c["offset"] + at)
+        f.write(bytes([b[0] ^ 0xFF]))
+        f.seek(c["offset"])
+        c["checksum"] = fmt.hexdigest(xxhash.xxh3_64(f.read(c["length"])).intdigest())
+    with open(os.path.join(root, f"step-{step:010d}", "manifest.json"), "wb") as f:
+        f.write(fmt.encode_manifest(doc["body"], doc.get("version", 3)))
+    return c, c["offset"] + at, i
+
+
+def test_verify_decodes_every_frame_of_a_compressed_chunk(tmp_path):
+    """A compressed chunk whose bytes match their checksum but whose frame does not decode
+    (a writer's bug, or a crafted file) is named by ``fastckpt verify`` (file, tensor, frame,
+    byte offset): before 2026-12-06 verify checked the stored bytes' checksum only, said OK,
+    and the load failed at the restart. The load refuses it too; a clean compressed step
+    verifies with every frame decoded."""
+    from fastckpt.tools import verify_step
+    root = str(tmp_path / "v")
+    st = {"w": (torch.randn(3 * MiB) * 0.02).to(torch.bfloat16), "x": torch.randn(1000)}
+    fastckpt.save(st, root, step=1, compression="zstd")
+    clean = verify_step(root, 1, record=False)
+    assert clean.ok and clean.frames_checked == 8, clean.to_json()  # 2 blocks x 2 planes x 2
+    # (64 KiB reads: frames that straddle the reads are put together)
+    assert verify_step(root, 1, record=False, block_size=64 << 10).frames_checked == 8
+    c, at, i = _damage_first_compressed_frame(root, 1)
+    for block in (64 << 10, 32 << 20):
+        res = verify_step(root, 1, block_size=block)
+        assert not res.ok
+        [p] = res.problems
+        assert p.kind == "decode" and p.file == c["file"] and p.tensor == "w", str(p)
+        assert p.offset == at and f"frame {i} " in p.message, str(p)
+        assert "bad frame header" in p.message, str(p)
+    assert res.recorded and ".verify-failed-" in res.recorded
+    with pytest.raises(CorruptCheckpointError, match="frame"):
+        fastckpt.load({"w": torch.zeros_like(st["w"]), "x": torch.zeros(1000)}, root, step=1)
+
+
+def test_verify_without_zstandard_checks_checksums_and_says_frames_were_not_decoded(
+        tmp_path, monkeypatch):
+    import importlib.util
+
+    from fastckpt.tools import verify_step
+    root = str(tmp_path / "n")
+    fastckpt.save({"w": torch.randn(MiB).to(torch.bfloat16)}, root, step=1, compression="zstd")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "zstandard" else real(name, *a))
+    res = verify_step(root, 1, record=False)
+    assert res.ok and res.frames_checked == 0 and res.chunks_checked == 1
+    assert len(res.notes) == 1 and "frames not decoded" in res.notes[0], res.notes

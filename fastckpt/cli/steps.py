@@ -411,8 +411,11 @@ def _verify_tier(storage: Any, step: int | None, all_steps: bool, jobs: int, no_
 def _report_verify(res: Any) -> None:
     rate = _rate(res.bytes_checked, res.seconds)
     if res.ok:
-        _echo(f"step {res.step}: OK: {res.files_checked} file(s), {res.chunks_checked} chunk(s), "
-              f"{_hb(res.bytes_checked)} checked in {res.seconds:.2f} s ({rate})")
+        frames = f" ({res.frames_checked} zstd frames decoded)" if res.frames_checked else ""
+        _echo(f"step {res.step}: OK: {res.files_checked} file(s), {res.chunks_checked} chunk(s)"
+              f"{frames}, {_hb(res.bytes_checked)} checked in {res.seconds:.2f} s ({rate})")
+    for note in res.notes:
+        _echo(f"note: {note}", err=True)
     else:
         _echo(f"step {res.step}: {len(res.problems)} PROBLEM(S) in {res.path}")
         for p in res.problems:

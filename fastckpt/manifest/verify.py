@@ -4,12 +4,16 @@
 any manifest). ``check_layout`` finds what validation (``schema.validate_body``) leaves to a
 verification: chunks of different tensors that share bytes of a file. ``verify_file`` re-reads
 one shard file in blocks and checks every chunk's xxh3-64 and that the alignment padding
-between chunks is zero: together, every byte of the file. The engine's reader checks the same
-checksum with ``checksum_matches`` before it uses a chunk.
+between chunks is zero: together, every byte of the file. A compressed chunk's checksum covers
+its stored bytes; ``verify_file`` also decodes each of its zstd frames as the bytes stream by
+(:class:`_Frames`), so a chunk that matches its checksum but does not decode (a writer's bug, a
+crafted file) is named too. The engine's reader checks the same checksum with
+``checksum_matches`` before it uses a chunk.
 """
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -32,7 +36,7 @@ def checksum_matches(h: int, chunk: dict) -> bool:
 @dataclass
 class Problem:
     """One thing wrong with a checkpoint. ``offset``/``length`` are bytes within ``file``."""
-    kind: str  # manifest | missing | size | checksum | padding | truncated | read
+    kind: str  # manifest | missing | size | checksum | padding | truncated | decode | read
     message: str
     file: str | None = None
     tensor: str | None = None
@@ -195,15 +199,61 @@ def _split(boxes: list, dims: list, budget: float = float("inf")) -> tuple | Non
     return None
 
 
+class _Frames:
+    """The zstd frames of one compressed chunk, decoded one by one as its stored bytes are fed
+    in file order (decoded bytes are dropped: what is checked is that every frame decodes to
+    exactly the raw bytes its place holds). Holds at most one frame's bytes; ``error``: the
+    first frame that did not decode (later ones are not tried)."""
+
+    def __init__(self, desc: dict, raw_nbytes: int) -> None:
+        from ..storage import codec
+        self.codec, self.desc = codec, desc
+        self.plan: list[tuple[int, int]] = []  # (stored length, raw length) per frame
+        for _, _, _, _, rlen in codec.frame_spans(desc, raw_nbytes):
+            frames = desc["frames"][len(self.plan):len(self.plan) + desc["group"]]
+            self.plan += zip(frames, codec.plane_sizes(rlen, desc["group"]))
+        self.i = self.pos = 0  # the next frame and its first byte within the chunk
+        self.pending = bytearray()
+        self.error: Exception | None = None
+
+    def _check(self, frame) -> None:
+        try:
+            self.codec.decode_frame(memoryview(frame), self.i, len(self.plan), self.pos,
+                                    self.plan[self.i][1], self.desc.get("checksum", False), {})
+        except self.codec.CodecError as e:
+            self.error = e
+        self.pos += self.plan[self.i][0]
+        self.i += 1
+
+    def feed(self, piece: memoryview) -> None:
+        while piece and self.error is None and self.i < len(self.plan):
+            need = self.plan[self.i][0] - len(self.pending)
+            if not self.pending and len(piece) >= need:  # a whole frame in this block
+                self._check(piece[:need])
+            else:
+                self.pending += piece[:need]
+                if len(self.pending) < self.plan[self.i][0]:
+                    return
+                self._check(self.pending)
+                self.pending = bytearray()
+            piece = piece[need:]
+
+    @property
+    def checked(self) -> int:
+        return self.i
+
+
 def _read(storage: Storage, path: str, offset: int, buf, n: int) -> None:
     storage.read_into(path, offset, buf, n, hash=False)  # (hashed per chunk by the caller)
 
 
 def verify_file(storage: Storage, d: str, name: str, info: dict, chunks: list,
                  block: int, progress: ProgressFn | None,
-                 get_buf: Callable[[int], memoryview] | None = None
-                 ) -> tuple[list[Problem], int, int]:
-    """Check one shard file; return (problems, bytes read, chunks checked)."""
+                 get_buf: Callable[[int], memoryview] | None = None,
+                 dtypes: dict[str, str] | None = None) -> tuple[list[Problem], int, int, int]:
+    """Check one shard file; return (problems, bytes read, chunks checked, frames decoded).
+    ``dtypes`` (tensor -> manifest dtype name) turns on the decoding of compressed chunks'
+    frames (None: their stored bytes are checked only)."""
     path = f"{d}/{name}"
     declared = int(info["size"])
     rank = info.get("rank")
@@ -214,7 +264,7 @@ def verify_file(storage: Storage, d: str, name: str, info: dict, chunks: list,
         raise  # (the storage stopped answering: verify_step ends, it does not go on)
     except StorageError as e:  # (a FIFO or a directory there: damage, not a failed read)
         kind = "missing" if isinstance(e, NotRegularFileError) else "read"
-        return [Problem(kind, f"cannot stat the file: {e}", file=name, rank=rank)], 0, 0
+        return [Problem(kind, f"cannot stat the file: {e}", file=name, rank=rank)], 0, 0, 0
     if size is None:
         tensors = sorted({fqn for fqn, _ in chunks})
         more = f" (and {len(tensors) - 5} more)" if len(tensors) > 5 else ""
@@ -222,7 +272,7 @@ def verify_file(storage: Storage, d: str, name: str, info: dict, chunks: list,
             progress(declared)
         return [Problem("missing", f"shard file is missing; it holds {len(chunks)} chunk(s) of "
                         f"{', '.join(map(repr, tensors[:5]))}{more}", file=name,
-                        rank=rank)], 0, 0
+                        rank=rank)], 0, 0, 0
     readable = min(size, declared)
     if size != declared:
         problems.append(Problem(
@@ -230,8 +280,9 @@ def verify_file(storage: Storage, d: str, name: str, info: dict, chunks: list,
             f"({'truncated' if size < declared else 'extended'})", file=name,
             offset=readable, rank=rank))
     # segments covering [0, readable): chunks (hash them) and the gaps between (must be zero)
-    segs: list[list] = []  # [start, end, fqn | None, chunk | None, hasher | None]
+    segs: list[list] = []  # [start, end, fqn | None, chunk | None, hasher | None, _Frames]
     pos = 0
+    frames: list[_Frames] = []
     for fqn, c in chunks:
         off, ln = int(c["offset"]), int(c["length"])
         if off + ln > readable:
@@ -239,14 +290,16 @@ def verify_file(storage: Storage, d: str, name: str, info: dict, chunks: list,
                                     file=name, tensor=fqn, offset=off, length=ln, rank=rank))
             continue
         if off > pos:
-            segs.append([pos, off, None, None, None])
-        if off < pos:  # overlap: reported by the manifest check; hash it on its own
-            segs.append([off, off + ln, fqn, c, xxhash.xxh3_64()])
-            continue
-        segs.append([off, off + ln, fqn, c, xxhash.xxh3_64()])
-        pos = off + ln
+            segs.append([pos, off, None, None, None, None])
+        fr = None
+        if "codec" in c and dtypes is not None:
+            fr = _Frames(c["codec"], math.prod(c["sizes"]) * fmt.DTYPES[dtypes[fqn]])
+            frames.append(fr)
+        segs.append([off, off + ln, fqn, c, xxhash.xxh3_64(), fr])
+        if off >= pos:  # (an overlap, reported by the manifest check, is hashed on its own)
+            pos = off + ln
     if pos < readable:
-        segs.append([pos, readable, None, None, None])
+        segs.append([pos, readable, None, None, None, None])
     segs.sort(key=lambda s: s[0])
     buf = (get_buf or aligned_buffer)(min(block, max(readable, 1)))
     nread = 0
@@ -268,7 +321,7 @@ def verify_file(storage: Storage, d: str, name: str, info: dict, chunks: list,
                                     rank=rank))
             if progress:
                 progress(readable - bstart)
-            return problems, nread, checked
+            return problems, nread, checked, sum(f.checked for f in frames)
         mv = buf[:n]
         nread += n
         while i < len(segs) and segs[i][0] < bend:
@@ -276,12 +329,14 @@ def verify_file(storage: Storage, d: str, name: str, info: dict, chunks: list,
             i += 1
         still = []
         for seg in open_segs:
-            s0, s1, fqn, c, h = seg
+            s0, s1, fqn, c, h, fr = seg
             lo, hi = max(s0, bstart), min(s1, bend)
             if hi > lo:
                 piece = mv[lo - bstart:hi - bstart]
                 if h is not None:
                     h.update(piece)
+                    if fr is not None:
+                        fr.feed(piece)
                 elif not bad_gap_reported:
                     raw = piece.tobytes()
                     rest = raw.lstrip(b"\0")
@@ -304,7 +359,13 @@ def verify_file(storage: Storage, d: str, name: str, info: dict, chunks: list,
                         f"{list(c['sizes'])} (expected {c['checksum']}, read {got}): the data "
                         "is damaged", file=name, tensor=fqn, offset=s0, length=s1 - s0,
                         rank=rank))
+                elif fr is not None and fr.error is not None:  # (bytes as written, not valid)
+                    e = fr.error
+                    problems.append(Problem(
+                        "decode", f"{e}: the chunk matches its checksum but cannot be loaded",
+                        file=name, tensor=fqn, offset=s0 + e.frame_offset, rank=rank,
+                        length=fr.plan[e.frame][0]))
         open_segs = still
         if progress:
             progress(n)
-    return problems, nread, checked
+    return problems, nread, checked, sum(f.checked for f in frames)

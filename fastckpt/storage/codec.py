@@ -78,8 +78,8 @@ from . import native as _native
 
 __all__ = [
     "CODEC", "DEFAULT_BLOCK", "DEFAULT_LEVEL", "CodecError", "Encoded", "decode_block_into",
-    "decode_into", "encode", "frame_spans", "group_width", "iter_encode", "make_desc", "measure",
-    "should_compress", "validate_desc",
+    "decode_frame", "decode_into", "encode", "frame_spans", "group_width", "iter_encode",
+    "make_desc", "measure", "plane_sizes", "should_compress", "validate_desc",
 ]
 
 CODEC = "zstd"
@@ -248,7 +248,7 @@ def _nblocks(raw: int, block: int) -> int:
     return -(-raw // block)
 
 
-def _plane_sizes(length: int, group: int) -> list[int]:
+def plane_sizes(length: int, group: int) -> list[int]:
     """Raw bytes of each frame of a block of ``length`` bytes (the tail joins the last plane)."""
     m = length // group
     return [m] * (group - 1) + [length - m * (group - 1)]
@@ -322,8 +322,8 @@ def validate_desc(desc: Any, raw_nbytes: int, stored_nbytes: int, **where: Any) 
     if len(frames) != nblocks * group:
         raise bad(f"{len(frames)} frames for {raw_nbytes} raw bytes in blocks of {block} "
                   f"with {group} plane(s) each (expected {nblocks * group})")
-    sizes = (_plane_sizes(block, group),  # full blocks, then the last one
-             _plane_sizes(raw_nbytes - (nblocks - 1) * block, group))
+    sizes = (plane_sizes(block, group),  # full blocks, then the last one
+             plane_sizes(raw_nbytes - (nblocks - 1) * block, group))
     bounds = [[_frame_range(n) for n in ns] for ns in sizes]
     tail, total = len(frames) - group, 0
     for i, f in enumerate(frames):  # one lean pass: a large state has 10^5 frames
@@ -439,7 +439,7 @@ def _encode_block(src: memoryview, b: int, width: int, level: int, block: int,
     g = _scratch(len(raw))
     group(raw, g, width)
     out, pos = [], 0
-    for n in _plane_sizes(len(raw), width):
+    for n in plane_sizes(len(raw), width):
         out.append(_compress_plane(g[pos:pos + n], level, checksum))
         pos += n
     return out
@@ -477,8 +477,8 @@ def encode(src: Any, *, width: int, level: int = DEFAULT_LEVEL, block: int = DEF
 # --------------------------------------------------------------------------------------------
 
 
-def _decode_frame(frame: memoryview, i: int, nframes: int, pos: int, n: int, checksum: bool,
-                  where: dict) -> bytes:
+def decode_frame(frame: memoryview, i: int, nframes: int, pos: int, n: int, checksum: bool,
+                 where: dict) -> bytes:
     """Frame i (at ``pos`` in the stored chunk) checked and decoded to exactly n bytes."""
     z = _zstd()
 
@@ -524,12 +524,12 @@ def decode_block_into(stored: Any, desc: dict, raw_nbytes: int, b: int, dst: Any
     checksum = desc.get("checksum", False)
     first, pos, rpos = b * group, 0, 0
     planes = _scratch(length) if group > 1 else d
-    for k, n in enumerate(_plane_sizes(length, group)):
+    for k, n in enumerate(plane_sizes(length, group)):
         f = frames[first + k]
         if pos + f > len(s):
             raise CodecError(f"compressed chunk, frame {first + k}: stored bytes end at {len(s)}",
                              frame=first + k, frame_offset=stored_offset + pos, **where)
-        out = _decode_frame(s[pos:pos + f], first + k, len(frames), stored_offset + pos, n,
+        out = decode_frame(s[pos:pos + f], first + k, len(frames), stored_offset + pos, n,
                             checksum, where)
         planes[rpos:rpos + n] = out
         pos += f
