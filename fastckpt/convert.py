@@ -35,6 +35,7 @@ import torch
 
 from .dcp import Writer, _nest
 from .engine.chunks import batches, write_chunks
+from .engine.commit import publish_checked
 from .engine.dtypes import dtype_name
 from .engine.state import flatten
 from .errors import CorruptCheckpointError, FastCkptError, UnsupportedStateError
@@ -560,8 +561,11 @@ def _write_and_commit(storage: Storage, d: str, source: _Source, keep: set, batc
         data = fmt.encode_manifest(body, 2 if source.aliases else 1)
         mpath = f"{d}/{fmt.MANIFEST}"
         _verify(storage, d, fmt.decode_manifest(data, file=mpath, step=res.step), res)
-        storage.publish_manifest(mpath, data)  # the commit point
-    except BaseException:
+        # the commit point; a write whose answer was lost is read back (publish_checked)
+        publish_checked(storage, storage, mpath, data, res.save_id, step=res.step)
+    except BaseException as e:
+        if getattr(e, "outcome_unknown", False):  # the manifest may land: its files stay
+            raise
         try:
             _cleanup(storage, d, keep, marker, existed)
         except Exception:  # noqa: BLE001 - the error that stopped the conversion matters

@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .engine import dist as _dist
+from .engine.commit import publish_checked
 from .engine.dtypes import dtype_name
 from .engine.plan import ChunkSpec
 from .engine.reader import FastCkptReader
@@ -197,7 +198,8 @@ class Writer(StorageWriter):
             raise CorruptCheckpointError(
                 f"step {self._step}: {len(missing)} shard file(s) of this save are gone before "
                 f"the commit ({', '.join(missing[:4])}); another writer of this root?", file=d)
-        st.publish_manifest(f"{d}/{fmt.MANIFEST}", data)
+        publish_checked(st, self.storage, f"{d}/{fmt.MANIFEST}", data, self._save_id,
+                        step=self._step)  # (a write whose answer was lost: read back)
         for n in (replaced - set(files)) | {marker_name(self._save_id)}:
             st.remove(f"{d}/{n}")
 

@@ -38,7 +38,8 @@ import logging
 import time
 from typing import Any, Callable
 
-from ..errors import CommitTimeoutError, CorruptCheckpointError, SaveFailedError, StorageError
+from ..errors import (CommitTimeoutError, CorruptCheckpointError, SaveFailedError, StorageError,
+                      StorageTimeoutError)
 from ..manifest.discovery import read_manifest
 from ..storage import Storage
 from .dist import StoreUnreachable
@@ -202,26 +203,49 @@ def check_present(st: Storage, d: str, sizes: dict[str, int]) -> None:
                            "this step?); nothing was committed", file=d)
 
 
+def may_land_later(error: BaseException) -> bool:
+    """Whether a failed write may still take effect after it was given up: the storage layer
+    says so (``outcome_unknown``: a local rename left to its thread under way, not one stopped
+    at its commit point), or the call got no answer in time (a timeout: an object store may
+    still apply a request it received; a synchronous fsspec call keeps running on its thread),
+    or its request got no answer at all (``answered`` False: a connection cut while the store
+    may be applying it). An error the storage answered took effect or not when it was raised:
+    a read-back tells which."""
+    e: BaseException | None = error
+    for _ in range(16):  # (the cause chain; bounded)
+        if e is None:
+            return False
+        unknown = getattr(e, "outcome_unknown", None)
+        if unknown is not None:
+            return bool(unknown)
+        if isinstance(e, (StorageTimeoutError, TimeoutError)) or getattr(e, "answered",
+                                                                          True) is False:
+            return True
+        e = e.__cause__
+    return False
+
+
 def publish_checked(st: Storage, storage: Storage, path: str, data: bytes, save_id: str, *,
                     step: int) -> None:
     """(coordinator) Publish a manifest; when the write reports an error, read back what is
     there: the manifest may have landed all the same (a directory fsync that failed after the
     rename, an object store's PUT whose answer was lost). Naming this save: committed (the
     error is logged). Not naming it: the error is raised (nothing was committed, the ranks
-    remove their files). Unreadable: a FastCkptError with ``outcome_unknown``, so that no rank
-    removes the files a manifest may name (they once did: the step lost its shards)."""
+    remove their files), unless the write may still land (:func:`may_land_later`: a timeout,
+    no answer). Then, and when nothing can be read back, a FastCkptError with
+    ``outcome_unknown``, so that no rank removes the files a manifest may name (they once did:
+    the step lost its shards; before 2026-12-06 a manifest PUT that timed out and landed after
+    the read-back named shards every rank had removed)."""
     try:
         st.publish_manifest(path, data)
         return
     except Exception as e:
         error = e
-    if getattr(error, "outcome_unknown", False):  # a local rename left to its thread under
-        # way (storage/bounded.py): it may land after any read-back, so the files stay
-        raise CommitTimeoutError(
-            f"writing the manifest {path} did not finish in time and may still land ({error}): "
-            f"whether step {step} is committed is unknown; every rank keeps its files "
-            "(`fastckpt ls` tells, `fastckpt gc` removes them if not)",
-            outcome_unknown=True) from error
+    late = may_land_later(error)
+    if late and getattr(error, "outcome_unknown", False):  # a local rename left to its
+        # thread under way: the mount stopped answering, a read-back would wait on it too
+        raise _unknown(path, step, f"did not finish in time and may still land ({error})"
+                       ) from error
     d = path.rsplit("/", 1)[0]
     try:
         body = read_manifest(storage.bounded(time.monotonic() + READ_BACK_S), d, step=step,
@@ -229,12 +253,21 @@ def publish_checked(st: Storage, storage: Storage, path: str, data: bytes, save_
     except CorruptCheckpointError:
         body = None  # (a publish is atomic: what is there is not this save's)
     except Exception as e:  # noqa: BLE001 - unknown stays unknown
-        raise CommitTimeoutError(
-            f"writing the manifest {path} reported an error ({type(error).__name__}: {error}) "
-            f"and reading it back failed too ({type(e).__name__}: {e}): whether step {step} "
-            "is committed is unknown; every rank keeps its files (`fastckpt ls` tells, "
-            "`fastckpt gc` removes them if not)", outcome_unknown=True) from error
-    if body is None or body.get("save_id") != save_id:
-        raise error
-    log.warning("fastckpt: the manifest write of save %s reported %s: %s, but the manifest at "
-                "%s names this save: committed", save_id, type(error).__name__, error, path)
+        raise _unknown(path, step, f"reported an error ({type(error).__name__}: {error}) and "
+                       f"reading it back failed too ({type(e).__name__}: {e})") from error
+    if body is not None and body.get("save_id") == save_id:
+        log.warning("fastckpt: the manifest write of save %s reported %s: %s, but the manifest "
+                    "at %s names this save: committed", save_id, type(error).__name__, error,
+                    path)
+        return
+    if late:
+        raise _unknown(path, step, f"got no answer in time and may still land ({error}; not "
+                       "there when read back)") from error
+    raise error
+
+
+def _unknown(path: str, step: int, what: str) -> CommitTimeoutError:
+    return CommitTimeoutError(
+        f"writing the manifest {path} {what}: whether step {step} is committed is unknown; "
+        "every rank keeps its files (`fastckpt ls` tells, `fastckpt gc` removes them if not)",
+        outcome_unknown=True)

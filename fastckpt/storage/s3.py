@@ -52,6 +52,7 @@ docs/benchmarks.md for where that sits against the clients a user would otherwis
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -61,8 +62,8 @@ from typing import Sequence
 from ..errors import StorageError
 from .base import ConditionFailed, storage_error
 from .fsspec_backend import FsspecStorage
-from .s3call import (CONCURRENCY, MAX_ATTEMPTS, MAX_PARTS, MIN_PART, PART_BYTES, S3Calls,
-                     S3RequestError, _all, _Limit, _ShortRead)
+from .s3call import (CONCURRENCY, LOST_TRY, MAX_ATTEMPTS, MAX_PARTS, MIN_PART, PART_BYTES,
+                     S3Calls, S3RequestError, _all, _Limit, _ShortRead)
 
 log = logging.getLogger("fastckpt")
 
@@ -303,6 +304,11 @@ class S3Storage(S3Calls, FsspecStorage):
                          IfMatch=out["ETag"], what="publishing")
         except StorageError as e:
             if isinstance(e.__cause__, S3RequestError) and e.__cause__.status == 412:
+                # ours, when a try whose answer was lost wrote it (its retry then fails the
+                # condition): before 2026-12-06 that was "not committed" for a committed save
+                if self._op("head_object", path, what="publishing", missing_ok=True
+                            ) is not None and self.read_bytes(path) == data:
+                    return
                 raise StorageError("the manifest changed while this save committed (another "
                                    "writer?): not committed", file=self.display(path)) from e
             raise
@@ -332,6 +338,10 @@ class S3Storage(S3Calls, FsspecStorage):
                 fut.cancel()
                 raise
             self._wait(lambda: state.get("op", "upload"), fut, t, bound)
+            if state.get("strays"):
+                note = self._abort_strays(path, state["upload_id"])
+                if note:
+                    log.warning("fastckpt: writing %s: %s", self.display(path), note)
         except BaseException as e:
             note = self._after_failed_upload(path, state, e)
             if not isinstance(e, Exception):
@@ -364,6 +374,7 @@ class S3Storage(S3Calls, FsspecStorage):
         state["multipart"] = True
         up = await self._request("create_multipart_upload", path, until)
         state["upload_id"] = up["UploadId"]
+        state["strays"] = bool(up.get(LOST_TRY))  # a try whose answer was lost began one too
         state["op"] = "upload_part"
         starts = list(range(0, n, part))
 
@@ -399,7 +410,30 @@ class S3Storage(S3Calls, FsspecStorage):
                 return f"the completed object could not be removed: {err}"
             return None
         bucket, key = self._split(path)
-        return self._abort_after_failure(bucket, key, state.get("upload_id"))
+        uid = state.get("upload_id")
+        if uid is None and self._abort_strays(path, None) is None:
+            return None  # (the begin request got no answer: what it began, if any, aborted)
+        note = self._abort_after_failure(bucket, key, uid)
+        if uid is not None and state.get("strays"):
+            note = note or self._abort_strays(path, uid)
+        return note
+
+    def _abort_strays(self, path: str, ours: str | None) -> str | None:
+        """Abort the unfinished multipart uploads of ``path``'s key but ``ours``: begun by a
+        CreateMultipartUpload try whose answer was lost (the retry began another; before
+        2026-12-06 the first was left for `fastckpt gc`). A shard's key is this save's and
+        rank's own, so every such upload is this write's. A note on what is left, or None."""
+        bucket, key = self._split(path)
+        try:
+            out = self._op("list_multipart_uploads", path, what="listing unfinished multipart "
+                           "uploads", bucket_op=True, timeout=self._cleanup_s, Prefix=key) or {}
+            for u in out.get("Uploads", []):
+                if u["Key"] == key and u["UploadId"] != ours:
+                    self._op("abort_multipart_upload", path, UploadId=u["UploadId"],
+                             timeout=self._cleanup_s, what="aborting a stray multipart upload")
+        except StorageError as e:
+            return f"may have left an unfinished multipart upload ({e}); `fastckpt gc` aborts it"
+        return None
 
     def _abort_after_failure(self, bucket: str, key: str, upload_id: str | None) -> str | None:
         url = self.display(f"{bucket}/{key}")
@@ -445,8 +479,10 @@ class S3Storage(S3Calls, FsspecStorage):
                 raise storage_error(EOFError(f"expected {nbytes} bytes at offset {offset} "
                                              "(the object ends early)"), "reading",
                                     self.display(path), offset=offset) from e
-            raise StorageError(f"reading failed: {e}", file=self.display(path),
-                               offset=offset) from e
+            err = StorageError(f"reading failed: {e}", file=self.display(path), offset=offset)
+            if e.gone:  # (removed under the reader: not damage; before 2026-12-06 a load
+                err.errno = errno.ENOENT  # fell back to an older step for it)
+            raise err from e
         except Exception as e:
             raise storage_error(e, "reading", self.display(path), offset=offset) from e
 

@@ -72,6 +72,10 @@ _HINTS = {
 }
 
 
+#: set in a response whose request was tried again after a try that got no answer
+LOST_TRY = "FastckptLostTry"
+
+
 class S3RequestError(Exception):
     """A request that failed (after its retries): S3's code, the HTTP status, the message."""
 
@@ -79,11 +83,18 @@ class S3RequestError(Exception):
                  attempts: int) -> None:
         self.op, self.url, self.code, self.status = op, url, code, status
         self.attempts = attempts
+        self.lost = False  # a try got no HTTP answer (set by the choke point)
         hint = _HINTS.get(code or "", "")
         what = " ".join(x for x in (str(status) if status else "", code or "") if x)
         tries = f" after {attempts} tries" if attempts > 1 else ""
         super().__init__(f"{op}: {hint + '; ' if hint else ''}"
                          f"{'HTTP ' + what + ': ' if what else ''}{message}{tries}")
+
+    @property
+    def gone(self) -> bool:
+        """No such object (not: no such bucket)."""
+        return self.code in ("NoSuchKey", "404", "NotFound") or (
+            self.status == 404 and self.code != "NoSuchBucket")
 
 
 class _Body(io.RawIOBase):
@@ -198,6 +209,7 @@ class S3Calls:
         url = self.display(path)
         client = await self.fs.set_session()
         attempt = 0
+        lost = False  # a try got no answer: the store may still apply it
         while True:
             attempt += 1
             args = dict(kw, Bucket=bucket) if bucket_op else dict(kw, Bucket=bucket, Key=key)
@@ -225,6 +237,8 @@ class S3Calls:
                     elif sent is not None:
                         self.stats["bytes_up"] += len(body)
                         sent.drop()
+                    if lost and isinstance(out, dict):  # an earlier try may have been applied
+                        out[LOST_TRY] = True
                     return out
             except asyncio.CancelledError:
                 raise
@@ -232,12 +246,15 @@ class S3Calls:
                 if sent is not None:
                     sent.drop()
                 code, status, msg = _error_info(e)
+                lost = lost or (code is None and status is None)
                 if code in _THROTTLE_CODES or status in (429, 503):
                     self.stats["throttled"] += 1
                 left = until - time.monotonic()
                 sleep = _JITTER.uniform(0, min(RETRY_CAP_S, RETRY_BASE_S * 2 ** (attempt - 1)))
                 if not _retryable(e) or attempt >= self.max_attempts or sleep >= left:
-                    raise S3RequestError(op, url, code, status, msg, attempt) from e
+                    err = S3RequestError(op, url, code, status, msg, attempt)
+                    err.lost = lost
+                    raise err from e
                 self.stats["retries"] += 1
                 log.debug("fastckpt: %s %s: %s (try %d of %d), again in %.2f s", op, url,
                           code or msg, attempt, self.max_attempts, sleep)
@@ -273,12 +290,13 @@ class S3Calls:
                                          timeout=timeout, **kw)
             return self._wait(op, fut, t, bound)
         except S3RequestError as e:
-            gone = e.code in ("NoSuchKey", "404", "NotFound") or (e.status == 404
-                                                                  and e.code != "NoSuchBucket")
+            gone = e.gone
             if missing_ok and gone:
                 return None
             err = StorageError(f"{what} failed: {e}", file=self.display(path), offset=offset)
             err.errno = errno.ENOENT if gone else (errno.EACCES if e.status == 403 else None)
+            # a try without an HTTP answer (a connection cut): the store may still apply it
+            err.answered = not getattr(e, "lost", False)  # type: ignore[attr-defined]
             raise err from e
         except Exception as e:
             raise storage_error(e, what, self.display(path), offset=offset) from e
