@@ -126,9 +126,13 @@ class FastCkptCallback(TrainerCallback):
         self._trainer: Any = None
         self._ck: Checkpointer | None = None
         self._last_saved: int | None = None
+        self._saved: set[int] = set()  # steps saved under root (this run, or found on resume)
+        self._best_saved: int | None = None  # the best step that has a checkpoint
         self._epoch_save: int | None = None  # an ``every`` step that ends an epoch
         self._resume_dir: str | None = None
         self._resume_step: int | None = None
+        self._resume_best: int | None = None
+        self._resume_has_best = False
         self._armed = False  # the Trainer took the resume directory (its model loader ran)
         self._rng = _PendingRNG()
         self._cleanup: Any = None
@@ -158,7 +162,7 @@ class FastCkptCallback(TrainerCallback):
         ``resume_from_checkpoint`` (None when the root has no committed step yet)."""
         self._bind(trainer)
         self._drop_resume()
-        holder: dict = {"trainer_state": ""}
+        holder: dict = {"trainer_state": "", "best_saved_step": -1}  # (-1: not in the step)
         try:  # plain values only: the TrainerState (strict=False leaves every tensor out)
             found = self.checkpointer.load(holder, step=step, strict=False)
         except CheckpointNotFoundError:
@@ -174,6 +178,9 @@ class FastCkptCallback(TrainerCallback):
         with open(os.path.join(d, "trainer_state.json"), "w", encoding="utf-8") as f:
             f.write(holder["trainer_state"])
         self._resume_dir, self._resume_step = d, found
+        best = holder["best_saved_step"]  # (absent from steps saved before 2026-12-06)
+        self._resume_has_best = best != -1
+        self._resume_best = best if type(best) is int and best >= 0 else None
         log.info("fastckpt.hf: resuming step %d of %s", found, self.root)
         return d
 
@@ -197,6 +204,8 @@ class FastCkptCallback(TrainerCallback):
             step = self.checkpointer.load(self._state("", loading=True), step=self._resume_step)
             log.info("fastckpt.hf: loaded step %d (model, optimizer, scheduler)", step)
         self._last_saved = self._resume_step if self._armed else None
+        self._saved = set(self.checkpointer.steps()) if self._armed else set()
+        self._best_saved = self._resume_best if self._armed else None
         return control
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -237,14 +246,19 @@ class FastCkptCallback(TrainerCallback):
         # epoch's evaluation) replaces the first: the state after the epoch's end events is
         # what an uninterrupted run goes on from (before 2026-12-06 the first one stayed)
         ck = self.checkpointer
-        text = self._trainer_state_json(trainer, trial)
         best = trainer.state.best_global_step if trainer.args.metric_for_best_model else None
-        # retention keeps the best step, as the Trainer's rotation keeps its best checkpoint
-        ck.keep_steps({best} if best else set())
+        # retention keeps the best step that has a checkpoint, as the Trainer's rotation keeps
+        # best_model_checkpoint: moved to the best step only when that step is saved (before
+        # 2026-12-06 a best step that was never saved was kept, and the saved best removed)
+        if best is not None and (best == step or best in self._saved):
+            self._best_saved = best
+        text = self._trainer_state_json(trainer, trial)
+        ck.keep_steps({self._best_saved} if self._best_saved is not None else set())
         ck.save(self._state(text), step=step,
                 user_meta={"written_by": "fastckpt.hf.FastCkptCallback",
                            "global_step": step, "epoch": trainer.state.epoch})
         self._last_saved = step
+        self._saved.add(step)
 
     def _load_from_checkpoint(self, orig: Any, path: str, *args: Any, **kwargs: Any) -> Any:
         if self._resume_dir is not None and path == self._resume_dir:
@@ -315,6 +329,8 @@ class FastCkptCallback(TrainerCallback):
             state["lr_scheduler"] = t.lr_scheduler
         state["rng"] = self._rng if loading else RNGState()
         state["trainer_state"] = trainer_state
+        if not loading or self._resume_has_best:  # (read by resume(); none in older steps)
+            state["best_saved_step"] = self._best_saved
         return state
 
     def _trainer_state_json(self, trainer: Any, trial: Any) -> str:

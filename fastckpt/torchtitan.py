@@ -54,7 +54,7 @@ from torchtitan.components.checkpointer.dcp import AsyncMode
 
 from . import dcp as fdcp
 from .engine import dist as _dist
-from .errors import StorageError
+from .errors import CheckpointNotFoundError, StorageError
 from .manifest import schema as fmt
 from .manifest.discovery import committed_steps, read_manifest
 from .manifest.values import decode_value, encode_value
@@ -152,6 +152,29 @@ class CheckpointManager(_TitanManager):
             self.states[MODEL].load_state_dict(state_dict)
 
     # -- how steps are found and kept --------------------------------------------------------------
+    def load(self, step: int = -1) -> bool:
+        """torchtitan's ``load``; an explicit ``step`` (``--checkpoint.load_step``) is also one
+        of torchtitan's own ``step-N`` checkpoints of a switched folder (before 2026-12-06 only
+        the default resume found them), and a fastckpt step that never committed is named as
+        such (it went to torchtitan's DCP reader: "no .metadata")."""
+        if self.enable and step >= 0 and step not in self._dcp_steps:
+            storage = self._storage(self.folder)
+            d = storage.join(fmt.step_dirname(step))
+            try:
+                committed = read_manifest(storage, d, step=step, chunks=False) is not None
+                legacy = storage.join(f"step-{step}")
+                if not committed and storage.size(f"{legacy}/.metadata") is not None:
+                    self._dcp_steps[step] = legacy  # torchtitan's own checkpoint
+                elif not committed and fmt.step_dirname(step) in storage.subdirs(storage.root):
+                    steps = list(committed_steps(storage))
+                    raise CheckpointNotFoundError(
+                        f"--checkpoint.load_step={step}: step {step} under {self.folder} was "
+                        f"never committed (its save did not finish: no {fmt.MANIFEST}); "
+                        f"committed steps: {steps or 'none'}", file=d)
+            except StorageError:
+                pass  # (no folder: torchtitan's own load says so)
+        return super().load(step)
+
     def _create_checkpoint_id(self, step: int, folder: str = "") -> str:
         folder = folder or self.folder
         if not folder or folder == self.folder:
