@@ -353,11 +353,13 @@ def _flag(value: str) -> bool:
     return value.strip().lower() not in ("0", "false", "no", "off", "")
 
 
-def huge_pages_on(environ: dict | None = None) -> bool:
+def huge_pages_on(environ: dict | None = None) -> bool | None:
     """Whether a load advises the memory it allocates to transparent huge pages
-    (``storage.pyio.huge_pages``): on unless FASTCKPT_THP=0."""
+    (``storage.pyio.huge_pages``): FASTCKPT_THP=1 on, =0 off; None (unset or "auto"): the
+    storage layer decides (off on a VM that reports free memory to its host)."""
     env = os.environ if environ is None else environ
-    return _flag(env.get("FASTCKPT_THP", "1"))
+    v = env.get("FASTCKPT_THP", "auto")
+    return None if v.strip().lower() == "auto" else _flag(v)
 
 
 def first_slurm_host(nodelist: str) -> str | None:

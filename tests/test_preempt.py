@@ -511,7 +511,8 @@ def test_signal_windows_from_the_environment():
 
 def test_on_off_settings_from_the_environment():
     """FASTCKPT_DIRECT_IO, _ZERO_COPY, _LOCAL_SURVIVES and _THP read alike: 0, false, no, off
-    (any case) and the empty string turn them off; anything else on; THP is on when unset."""
+    (any case) and the empty string turn them off; anything else on; THP is "auto" (None)
+    when unset."""
     from fastckpt.options import huge_pages_on, options_from_env
     for v, on in (("0", False), ("false", False), ("No", False), ("OFF", False), ("", False),
                   (" 1 ", True), ("yes", True), ("on", True)):
@@ -519,7 +520,7 @@ def test_on_off_settings_from_the_environment():
                                       "FASTCKPT_LOCAL_SURVIVES": v})
         assert (o.direct_io, o.zero_copy, o.local_survives) == (on, on, on), v
         assert huge_pages_on({"FASTCKPT_THP": v}) is on, v
-    assert huge_pages_on({}) is True
+    assert huge_pages_on({}) is None and huge_pages_on({"FASTCKPT_THP": " Auto"}) is None
 
 
 def test_forked_worker_does_not_act(root):
