@@ -588,8 +588,8 @@ def run_bench(target: str, size: int, *, ranks: int = 1,
                 pass
     return {"target": target, "work": work if keep_files else None, "size": int(size),
             "ranks": int(ranks), "contenders": list(contenders), "reps": int(reps),
-            "warmup": bool(warmup), "layers": int(layers), "started_unix": t0,
-            "elapsed_s": time.time() - t0, "raw": cfg["raw"],
+            "warmup": bool(warmup), "layers": int(layers), "compression": compression,
+            "started_unix": t0, "elapsed_s": time.time() - t0, "raw": cfg["raw"],
             "load": LOAD_METHOD if not work.startswith("memory://") else MEMORY_LOAD,
             "per_rank": per_rank}
 

@@ -155,7 +155,8 @@ def bench(target: str, size: int, ranks: int, reps: int, warmup: bool, state_siz
         try:
             raw = B.run_bench(target, size, ranks=ranks, contenders=cont, reps=reps,
                               warmup=warmup, keep_files=keep_files, create=create, emit=emit,
-                              raw=raw_mode)
+                              raw=raw_mode,  # (before 2026-12-06 --compression was dropped)
+                              compression=None if compression == "none" else compression)
         except B.BenchError as e:
             raise CliError(f"benchmark failed: {e}", EXIT_PROBLEM) from None
         except FileNotFoundError as e:  # removed meanwhile
@@ -164,6 +165,7 @@ def bench(target: str, size: int, ranks: int, reps: int, warmup: bool, state_siz
             raise CliError(f"cannot benchmark {target}: {e}", EXIT_STORAGE) from None
     rep = B.summarize(raw, state_size=state_size, step_drain_s=step_drain, barrier_s=barrier,
                       safety_fraction=safety, safety_min_s=safety_min)
+    rep["compression"] = raw.get("compression")
     bad_loads = [r["label"] for r in rep["rows"] if r.get("load_verified") is False]
     if bad_loads:
         notes.append(f"WARNING: the state loaded by {', '.join(bad_loads)} differs from the "
@@ -217,7 +219,8 @@ def _x(v: float | None) -> str:
 def _print_bench(rep: dict) -> None:
     gib = float(1 << 30)
     _echo(f"fastckpt bench: {rep['target']}  state {_hb(rep['state_bytes'])}, {rep['ranks']} "
-          f"rank(s), I/O backend {rep.get('io_backend') or '-'}, page cache {rep['cache']}")
+          f"rank(s), I/O backend {rep.get('io_backend') or '-'}, page cache {rep['cache']}"
+          f", compression {rep.get('compression') or 'none'}")
     n = rep.get("reps", 1)
     warm = "after a warm-up round of saves" if rep.get("warmup") else "no warm-up"
     _echo(f"medians of {n} repetition{'s' if n != 1 else ''}, contenders interleaved (order "
