@@ -82,6 +82,8 @@ static inline void fck_update(XXH3_state_t *st, const void *p, size_t n) {
 
 #define FCK_ALIGN ((Py_ssize_t)4096)
 #define FCK_DEFAULT_BLOCK ((Py_ssize_t)16 << 20)
+#define FCK_MAX_BLOCK ((Py_ssize_t)1 << 30) /* request counts and rounding stay far from overflow */
+#define FCK_MAX_OFFSET ((long long)(INT64_MAX / 2)) /* a file offset or length past any file */
 #define FCK_DEFAULT_DEPTH 4
 #define FCK_MAX_DEPTH 64
 #define FCK_HASH_CHUNK ((Py_ssize_t)1 << 20)
@@ -333,8 +335,8 @@ static uint64_t hash_full(XXH3_state_t *st, const char *base, Py_ssize_t n) {
 
 static int check_tuning(Py_ssize_t *block, int *depth) {
     if (*block <= 0) *block = FCK_DEFAULT_BLOCK;
-    if (*block % FCK_ALIGN) {
-        PyErr_SetString(PyExc_ValueError, "block_size must be a multiple of 4096");
+    if (*block % FCK_ALIGN || *block > FCK_MAX_BLOCK) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be a multiple of 4096, at most 1 GiB");
         return -1;
     }
     if (*depth <= 0) *depth = FCK_DEFAULT_DEPTH;
@@ -554,9 +556,13 @@ static int parse_triples(PyObject *o, long long (**out)[3], Py_ssize_t *nout, in
         }
         for (int k = 0; k < width; k++) {
             PyObject *v = PySequence_Fast_GET_ITEM(t, k);
-            a[i][k] = (long long)PyLong_AsUnsignedLongLong(v);
+            a[i][k] = PyLong_AsLongLong(v); /* (checked by the caller: negative or too large) */
             if (PyErr_Occurred()) {
                 Py_DECREF(t);
+                if (PyErr_ExceptionMatches(PyExc_OverflowError) || PyErr_ExceptionMatches(PyExc_TypeError)) {
+                    PyErr_Clear();
+                    PyErr_Format(PyExc_ValueError, "%s (item %zd: a number out of range)", what, i);
+                }
                 goto fail;
             }
         }
@@ -595,16 +601,18 @@ static PyObject *py_write_segments(PyObject *self, PyObject *args, PyObject *kw)
         parse_triples(segs_o, &segs, &nseg, 3, "segments must be (file_offset, address, length) triples") ||
         parse_triples(hr_o, &hr, &nhr, 2, "hash_ranges must be (address, length) pairs"))
         goto out;
-    if (nbytes < 0) {
-        PyErr_SetString(PyExc_ValueError, "nbytes must be >= 0");
+    if (nbytes < 0 || nbytes > FCK_MAX_OFFSET) {
+        PyErr_SetString(PyExc_ValueError, "nbytes must be >= 0 and below 2**62");
         goto out;
     }
     int aligned = 1;
+    long long cap = (long long)round_up(nbytes, FCK_ALIGN);
     for (Py_ssize_t i = 0; i < nseg; i++) {
         long long off = segs[i][0], addr = segs[i][1], len = segs[i][2];
-        if (off != end || len < 0 || (len && !addr)) {
+        /* off == end <= cap here, so cap - off cannot overflow, nor off + len below */
+        if (off != end || len < 0 || len > cap - off || addr < 0 || (len && !addr)) {
             PyErr_Format(PyExc_ValueError, "segment %zd (offset %lld, length %lld) does not continue the "
-                         "previous one at %lld", i, off, len, end);
+                         "previous one at %lld within the file's %zd bytes", i, off, len, end, nbytes);
             goto out;
         }
         end = off + len;
@@ -616,7 +624,7 @@ static PyObject *py_write_segments(PyObject *self, PyObject *args, PyObject *kw)
         goto out;
     }
     for (Py_ssize_t i = 0; i < nhr; i++)
-        if (hr[i][1] < 0 || (hr[i][1] && !hr[i][0])) {
+        if (hr[i][1] < 0 || hr[i][0] < 0 || (hr[i][1] && !hr[i][0])) {
             PyErr_SetString(PyExc_ValueError, "hash range with a null address or negative length");
             goto out;
         }
@@ -795,7 +803,12 @@ static PyObject *py_read_into(PyObject *self, PyObject *args, PyObject *kw) {
         return NULL;
     }
     const char *path = PyBytes_AS_STRING(pathb);
-    if (file_offset < 0 || file_offset > (long long)(INT64_MAX / 2)) {
+    if (file_offset > FCK_MAX_OFFSET) { /* past any file: as any offset past the end */
+        PyErr_Format(PyExc_EOFError, "%s: expected %zd bytes at offset %lld, past the end of the file", path,
+                     nbytes, file_offset);
+        goto out;
+    }
+    if (file_offset < 0) {
         PyErr_SetString(PyExc_ValueError, "file_offset out of range");
         goto out;
     }
@@ -987,8 +1000,12 @@ static PyObject *py_read_to(PyObject *self, PyObject *args, PyObject *kw) {
         return NULL;
     const char *path = PyBytes_AS_STRING(pathb);
     memset(&r, 0, sizeof(r));
-    if (file_offset < 0 || file_offset > (long long)(INT64_MAX / 2) || nbytes < 0 ||
-        nbytes > (Py_ssize_t)(INT64_MAX / 4) || (nbytes > 0 && !address)) {
+    if (file_offset > FCK_MAX_OFFSET && nbytes >= 0) { /* past any file: as any offset past the end */
+        PyErr_Format(PyExc_EOFError, "%s: expected %zd bytes at offset %lld, past the end of the file", path,
+                     nbytes, file_offset);
+        goto out;
+    }
+    if (file_offset < 0 || nbytes < 0 || nbytes > (Py_ssize_t)(INT64_MAX / 4) || (nbytes > 0 && !address)) {
         PyErr_SetString(PyExc_ValueError, "file_offset, address or nbytes out of range");
         goto out;
     }
@@ -1299,7 +1316,10 @@ static PyObject *py_copy_many(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         unsigned long long d, s;
         Py_ssize_t len;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "KKn:copy_many", &d, &s, &len)) {
+        PyObject *item = PySequence_Tuple(PySequence_Fast_GET_ITEM(fast, i)); /* a list too */
+        int ok = item && PyArg_ParseTuple(item, "KKn:copy_many", &d, &s, &len);
+        Py_XDECREF(item);
+        if (!ok) {
             PyMem_Free(tab);
             Py_DECREF(fast);
             return NULL;

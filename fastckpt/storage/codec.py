@@ -75,6 +75,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 from ..errors import CorruptCheckpointError
 from . import native as _native
+from .native import py_group as _py_group
+from .native import py_ungroup as _py_ungroup
 
 __all__ = [
     "CODEC", "DEFAULT_BLOCK", "DEFAULT_LEVEL", "CodecError", "Encoded", "decode_block_into",
@@ -127,37 +129,6 @@ def group_width(dtype_name: str) -> int:
 # --------------------------------------------------------------------------------------------
 # byte grouping kernels: C (GIL released) or pure Python (same bytes)
 # --------------------------------------------------------------------------------------------
-
-
-def _py_group(src, dst, width: int) -> None:
-    """Plane k of dst = byte k of every width-byte element of src; the len % width tail last."""
-    s = memoryview(src).cast("B")
-    n = len(s)
-    m = n // width
-    body = m * width
-    d = memoryview(dst).cast("B")
-    if len(d) < n:
-        raise ValueError(f"destination of {len(d)} bytes is shorter than the source ({n})")
-    b = src if type(src) is bytes else s.tobytes()  # extended slices of bytes are C loops
-    for k in range(width):
-        d[k * m:(k + 1) * m] = b[k:body:width]
-    d[body:n] = s[body:n]
-
-
-def _py_ungroup(src, dst, width: int) -> None:
-    """The inverse of :func:`_py_group`."""
-    s = memoryview(src).cast("B")
-    n = len(s)
-    m = n // width
-    body = m * width
-    d = dst if type(dst) is bytearray else bytearray(n)
-    if len(d) < n:
-        raise ValueError(f"destination of {len(d)} bytes is shorter than the source ({n})")
-    for k in range(width):
-        d[k:body:width] = s[k * m:(k + 1) * m]
-    d[body:n] = s[body:n]
-    if d is not dst:
-        memoryview(dst).cast("B")[:n] = d
 
 
 def _kernels(native: str) -> tuple[Callable, Callable]:

@@ -21,7 +21,8 @@ import threading
 from typing import Protocol, Sequence
 
 # the Python backend and the page-aligned buffers, part of this module's interface too
-from .pyio import ALIGN, DEFAULT_BLOCK_SIZE, DEFAULT_DEPTH, PythonBackend, aligned_buffer
+from .pyio import (ALIGN, DEFAULT_BLOCK_SIZE, DEFAULT_DEPTH, PythonBackend, aligned_buffer,
+                   check_block_size)
 
 __all__ = [
     "ALIGN",
@@ -152,8 +153,7 @@ class NativeBackend:
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, depth: int = DEFAULT_DEPTH) -> None:
         if _ext is None:
             raise ImportError(f"fastckpt native I/O extension unavailable ({native_error()}); {_BUILD_HINT}")
-        if block_size <= 0 or block_size % ALIGN:
-            raise ValueError("block_size must be a positive multiple of 4096")
+        check_block_size(block_size)
         self.block_size = block_size
         self.depth = max(1, int(depth))
 
@@ -224,8 +224,59 @@ def get_backend(mode: str = "auto") -> IOBackend:
 
 def byte_regroup_kernels():
     """``(byte_group, byte_ungroup)`` of the C extension (GIL released), or None when it did not
-    load or was built before they existed; :mod:`fastckpt.storage.codec` then uses its
-    pure-Python kernels, which give the same bytes."""
+    load or was built before they existed; :mod:`fastckpt.storage.codec` then uses
+    :func:`py_group` and :func:`py_ungroup`, which give the same bytes and refuse the same
+    arguments."""
     group = getattr(_ext, "byte_group", None)
     ungroup = getattr(_ext, "byte_ungroup", None)
     return (group, ungroup) if group is not None and ungroup is not None else None
+
+
+def _grouping_views(src, dst, width: int) -> tuple[memoryview, memoryview]:
+    """The checks of the C kernels (before 2026-12-06 the Python ones lacked them: width 0 was
+    a ZeroDivisionError, 65 accepted, a read-only destination a TypeError, and an ungroup in
+    place gave wrong bytes)."""
+    if not 1 <= width <= 64:
+        raise ValueError(f"width must be 1..64, got {width}")
+    s, d = memoryview(src).cast("B"), memoryview(dst).cast("B")
+    if d.readonly:
+        raise BufferError("the destination must be a writable buffer")
+    if len(d) < len(s):
+        raise ValueError(f"destination of {len(d)} bytes is shorter than the source ({len(s)})")
+    if len(s):
+        from .pyio import _address
+        a, b = _address(s), _address(d)
+        if a < b + len(d) and b < a + len(s):
+            raise ValueError("source and destination overlap")
+    return s, d
+
+
+def py_group(src, dst, width: int) -> None:
+    """Plane k of dst = byte k of every width-byte element of src; the len % width tail last
+    (the C kernel's pure-Python twin)."""
+    s, d = _grouping_views(src, dst, width)
+    n = len(s)
+    m = n // width
+    body = m * width
+    b = src if type(src) is bytes else s.tobytes()  # extended slices of bytes are C loops
+    for k in range(width):
+        d[k * m:(k + 1) * m] = b[k:body:width]
+    d[body:n] = s[body:n]
+
+
+def py_ungroup(src, dst, width: int) -> None:
+    """The inverse of :func:`py_group`."""
+    s, d0 = _grouping_views(src, dst, width)
+    n = len(s)
+    m = n // width
+    body = m * width
+    if type(dst) is bytearray:
+        d0.release()  # (a bytearray refuses even an empty slice assignment while exported)
+        d = dst
+    else:
+        d = bytearray(n)
+    for k in range(width):
+        d[k:body:width] = s[k * m:(k + 1) * m]
+    d[body:n] = s[body:n]
+    if d is not dst:
+        d0[:n] = d

@@ -23,6 +23,7 @@ import xxhash
 
 ALIGN = 4096
 DEFAULT_BLOCK_SIZE = 16 << 20  # per request; measured best of 1/4/8/16 MiB (native/README.md)
+MAX_BLOCK_SIZE = 1 << 30  # (the native code's request arithmetic stays far from overflow)
 DEFAULT_DEPTH = 4  # requests in flight (worker threads)
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -98,12 +99,9 @@ def huge_pages(address: int, nbytes: int) -> bool:
     of new moments, runs of 3 alternating with ``FASTCKPT_THP=0``): restart load 1.09-1.10 s
     and 0.45-0.46 CPU-s/GiB against 1.19-1.22 s and 0.47-0.50 (per-run medians, 2 pairs; 4
     earlier pairs of the same advice: 1.05 vs 1.28 s, 0.43 vs 0.48), 1432 huge-page faults per
-    run, no compaction stall, no fallback. ``FASTCKPT_THP=0`` turns it off, ``=1`` on; by
-    default it is off where the kernel reports free memory to a hypervisor
-    (:func:`free_page_reporting`): there a huge page is a 2 MiB block the host took back, and
-    measured (2026-12-06, an AMD EPYC VM with virtio-balloon free page reporting, the same
-    command, `FASTCKPT_THP=1` then `=0`, 2 loads each) it made the restart load 1.63-2.25 s at
-    1.63 CPU-s/GiB against 1.19-1.31 s at 0.48 without it.
+    run, no compaction stall, no fallback. ``FASTCKPT_THP=0`` off, ``=1`` on; by default off
+    where the kernel reports free memory to a hypervisor (:func:`free_page_reporting`): there
+    it made the restart load 1.5x slower at 3.4x the CPU (docs/benchmarks.md, 2026-12-06).
     False when nothing was advised (too small, no such advice, turned off)."""
     from ..options import huge_pages_on
     on = huge_pages_on()
@@ -120,9 +118,8 @@ _F_REPORTING = 5  # VIRTIO_BALLOON_F_REPORTING: the guest hands free blocks back
 
 
 def free_page_reporting() -> bool:
-    """Whether this kernel reports free memory to its hypervisor (a virtio-balloon device with
-    free page reporting, e.g. Firecracker and cloud VMs): free blocks of 2 MiB and more are
-    given back to the host, so a fresh huge page costs a host fault per 4 KiB page it holds."""
+    """Whether this kernel reports free memory to its hypervisor (virtio-balloon free page
+    reporting): free 2 MiB blocks go back to the host, a fresh huge page is 512 host faults."""
     global _reporting
     if _reporting is None:
         _reporting = False
@@ -177,9 +174,15 @@ def split_shares(copies: Sequence[tuple[int, int, int]], threads: int) -> list[l
     return shares
 
 
+def check_block_size(block_size: int) -> None:
+    if block_size <= 0 or block_size % ALIGN or block_size > MAX_BLOCK_SIZE:
+        raise ValueError("block_size must be a positive multiple of 4096, at most 1 GiB")
+
+
 def copy_many(copies: Sequence[tuple[int, int, int]], threads: int) -> int:
     """``IOBackend.copy_many`` in Python: :func:`split_shares`, each share's ranges by
     ``ctypes.memmove`` (which releases the GIL) on its own thread; the number used."""
+    copies = [tuple(c) for c in copies]  # (an iterator was used up by the checks below)
     for i, c in enumerate(copies):
         if len(c) != 3:
             raise ValueError(f"copy_many: copy {i} is not (dst, src, nbytes)")
@@ -247,6 +250,7 @@ def _raw_view(address: int, nbytes: int) -> memoryview:
 def _byte_view(buf, *, writable: bool = False) -> memoryview:
     mv = buf if isinstance(buf, memoryview) else memoryview(buf)
     if not mv.c_contiguous:
+        _address(buf)  # (the exporter's own error for a plain-bytes request, as native gets)
         raise BufferError("buf must be a C-contiguous buffer")
     if writable and mv.readonly:
         raise BufferError("buf must be a writable buffer")
@@ -343,8 +347,7 @@ class PythonBackend:
     name = "python"
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, depth: int = DEFAULT_DEPTH) -> None:
-        if block_size <= 0 or block_size % ALIGN:
-            raise ValueError("block_size must be a positive multiple of 4096")
+        check_block_size(block_size)
         self.block_size = block_size
         self.depth = max(1, int(depth))
 
@@ -502,10 +505,12 @@ class PythonBackend:
         if nbytes < 0:
             raise ValueError("nbytes must be >= 0")
         end, aligned, reqs, bs = 0, True, [], self.block_size
+        hash_ranges = list(hash_ranges)  # (an iterator was used up by the checks below)
         for i, (off, addr, ln) in enumerate(segments):
-            if off != end or ln < 0 or (ln and not addr):
+            if off != end or ln < 0 or ln > _round_up(nbytes) - off or addr < 0 or (
+                    ln and not addr):
                 raise ValueError(f"segment {i} (offset {off}, length {ln}) does not continue the "
-                                 f"previous one at {end}")
+                                 f"previous one at {end} within the file's {nbytes} bytes")
             end = off + ln
             aligned = aligned and not (off % ALIGN or addr % ALIGN or ln % ALIGN)
             reqs += [(off + k, addr + k, min(bs, ln - k)) for k in range(0, ln, bs)]
