@@ -35,11 +35,15 @@ def run(p: dict) -> dict[str, Any]:
     geom = S.geometry(p["size_bytes"])
     c, path = p["contender"], p["path"]
     loading = p["op"] != "save"
-    model, optim = S.model_adam(geom, seed=p["seed"] + (1 if loading else 0))
-    msd, osd = get_state_dict(model, optim)
-    sd = {"model": msd, "optim": osd}
-    out: dict[str, Any] = {"state_bytes": nbytes(sd)}
+    # a restart builds a fresh optimizer (no moments yet): get_state_dict creates them, inside
+    # the load's clock (before 2026-12-06 the loader's optimizer was stepped before the clock)
+    model, optim = S.model_adam(geom, seed=p["seed"] + (1 if loading else 0),
+                                stepped=not loading)
+    out: dict[str, Any] = {}
     if not loading:
+        msd, osd = get_state_dict(model, optim)
+        sd = {"model": msd, "optim": osd}
+        out["state_bytes"] = nbytes(sd)
         writer = {"dcp": lambda: FileSystemWriter(path),
                   "dcp4": lambda: FileSystemWriter(path, thread_count=4),
                   "dcp-async": lambda: FileSystemWriter(path)}.get(
@@ -55,11 +59,14 @@ def run(p: dict) -> dict[str, Any]:
     else:
         reader = FileSystemReader(path) if c == "dcp" else fastckpt.dcp.Reader(path)
         with Clock() as t:
+            msd, osd = get_state_dict(model, optim)
+            sd = {"model": msd, "optim": osd}
             dcp.load(sd, storage_reader=reader)
             set_state_dict(model, optim, model_state_dict=sd["model"],
                            optim_state_dict=sd["optim"])
         out["load_s"] = t.s
         msd, osd = get_state_dict(model, optim)
         sd = {"model": msd, "optim": osd}
+        out["state_bytes"] = nbytes(sd)
     out["fingerprint"] = fingerprint(sd)
     return out

@@ -83,14 +83,16 @@ def run(p: dict) -> dict[str, Any]:
     optimizers = opt_cfg.build(model_parts=[m])
     lrs = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers,
                                                              training_steps=10)
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (1, 17), generator=g)
-    loss = torch.nn.functional.cross_entropy(m(tokens[:, :-1]).flatten(0, 1),
-                                             tokens[:, 1:].flatten())
-    loss.backward()
-    optimizers.step()
-    lrs.step()
-    optimizers.zero_grad()
+    if not loading:  # (a restart loads into a fresh optimizer: no step before the load;
+        # before 2026-12-06 the loader stepped too, and its moments existed before the clock)
+        g = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, VOCAB, (1, 17), generator=g)
+        loss = torch.nn.functional.cross_entropy(m(tokens[:, :-1]).flatten(0, 1),
+                                                 tokens[:, 1:].flatten())
+        loss.backward()
+        optimizers.step()
+        lrs.step()
+        optimizers.zero_grad()
     state = _TrainState()
     c = p["contender"]
     cls = Fast if c.startswith("fastckpt") else Titan
