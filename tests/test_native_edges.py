@@ -22,16 +22,9 @@ from fastckpt.storage import native as _native
 from fastckpt.storage.native import NativeBackend, PythonBackend, aligned_buffer
 from fastckpt.storage.pyio import _address
 
-NATIVE_SKIP = f"native extension not built: {_native.native_error()}"
+from tests.test_native_io import NATIVE_SKIP, make_backend
+
 needs_native = pytest.mark.skipif(not _native.native_available(), reason=NATIVE_SKIP)
-
-
-def make_backend(name: str, **kw):
-    if name == "native":
-        if not _native.native_available():
-            pytest.skip(NATIVE_SKIP)
-        return NativeBackend(**kw)
-    return PythonBackend(**kw)
 
 
 @pytest.fixture(params=["native", "python"])
