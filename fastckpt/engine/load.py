@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, FastCkptError,
-                      StepRemovedError, StorageError)
+                      StateMismatchError, StepRemovedError, StorageError)
 from ..manifest import schema as fmt
 from ..manifest.discovery import committed_steps, find_step, is_partial
 from ..manifest.index import writers_of
@@ -63,7 +63,9 @@ def _alloc_local(body: dict, fqn: str, shape: tuple, offsets: tuple,
     nbytes = math.prod(shape) * dtype.itemsize
     at = [c for c in body["tensors"][fqn]["chunks"] if tuple(c["offsets"]) == offsets]
     chunk = next((c for c in at if tuple(c["sizes"]) == shape), at[0] if at else None)
-    if chunk is None or nbytes < fmt.ALIGN:
+    if chunk is None or nbytes < fmt.ALIGN or int(chunk["offset"]) % dtype.itemsize:
+        # (a chunk at an offset out of step with its elements cannot be mirrored: before
+        # 2026-12-06 the view of such memory raised torch's error, naming nothing)
         return empty_for(shape, dtype, key=fqn)
     raw = empty_for(shape, dtype, pad=fmt.ALIGN, key=fqn)
     huge_pages(raw.data_ptr(), raw.numel())  # (the prefault thread faults them, 2 MiB each)
@@ -91,6 +93,7 @@ def load_into(storage: Storage, state: dict | None, *, step: int | None = None,
     own = state is not None  # first each rank reads only its own chunk index (if indexed)
     attempt = fallbacks = 0
     cur = step
+    damage: CorruptCheckpointError | None = None  # the newer step's, once one fell back
     while True:
         attempt += 1
         seen: dict = {}
@@ -103,7 +106,7 @@ def load_into(storage: Storage, state: dict | None, *, step: int | None = None,
             continue
         except StepRemovedError as e:
             if cur is not None or attempt == LOAD_ATTEMPTS:
-                raise
+                _raise_after(e, damage)
             log.warning("fastckpt: %s; loading the newest step again (attempt %d of %d)", e,
                         attempt + 1, LOAD_ATTEMPTS)
         except CorruptCheckpointError as e:
@@ -114,12 +117,36 @@ def load_into(storage: Storage, state: dict | None, *, step: int | None = None,
             failed = seen.get("step")
             older = None if (step is not None or state is None or not strict or failed is None
                              or fallbacks == LOAD_ATTEMPTS) else _newest_below(storage, failed)
+            # rank 0's choice for every rank (each rank's own listing could differ: before
+            # 2026-12-06 the ranks could load different older steps)
+            older = group.decide(older, _first, timeout_s=timeout_s,
+                                 what="load: the older step to fall back to")
             if older is None:
-                raise
+                _raise_after(e, damage)
+            damage = damage or e
             fallbacks += 1
             log.warning("fastckpt: step %d does not load (%s); loading step %d, the newest "
                         "older committed step", failed, e, older)
             cur, attempt = older, attempt - 1
+        except Exception as e:
+            _raise_after(e, damage)
+
+
+def _first(values: list) -> Any:
+    return values[0]
+
+
+def _raise_after(e: BaseException, damage: CorruptCheckpointError | None) -> None:
+    """Raise ``e``; after a fall back from a damaged step, say that the state holds part of it
+    (before 2026-12-06 only a log line said the newer step was damaged)."""
+    if damage is None or e is damage:
+        raise e
+    try:
+        new = type(e)(f"{e} (after falling back from a damaged newer step: {damage}; the state "
+                      "may hold part of that step's values)")
+    except Exception:  # noqa: BLE001 - a class that takes other arguments: the cause says it
+        raise e from damage
+    raise new from damage
 
 
 def _newest_below(storage: Storage, below: int) -> int | None:
@@ -300,7 +327,24 @@ def _prepare(storage: Storage, state: dict | None, step: int | None, *, verify: 
         state, plan = plan_read(tree, meta, alloc=alloc)
     else:
         plan = plan_load(state, tree, meta, strict=strict, alloc=alloc)
+    _check_own_copies(body, plan.targets, rank, mpath)
     return found_step, reader, plan, state
+
+
+def _check_own_copies(body: dict, targets: dict, rank: int, mpath: str) -> None:
+    """A per-rank tensor this rank loads holds this rank's whole copy. Validation checks the
+    copies that are there, not that every rank's is; before 2026-12-06 a rank without one
+    loaded nothing into that tensor and reported success."""
+    for fqn in targets:
+        t = body["tensors"].get(fqn)
+        if t is None or not t.get("per_rank"):
+            continue
+        have = sum(math.prod(c["sizes"]) for c in t["chunks"] if c.get("rank") == rank)
+        if have != math.prod(t["shape"]):
+            raise CorruptCheckpointError(
+                f"the tensor holds a value per rank and the checkpoint has "
+                f"{'no' if not have else 'only part of'} rank {rank}'s", file=mpath, key=fqn,
+                rank=rank)
 
 
 def _dry_alloc(fqn: str, meta: dict, like: torch.Tensor | None = None) -> torch.Tensor:
@@ -389,8 +433,7 @@ def _load_once(storage: Storage, state: dict | None, *, step: int | None, verify
             "load failed on other ranks: " + "; ".join(f"rank {r}: {m}" for r, m in bad) + more)
     assert plan is not None and reader is not None and found_step is not None
     if world == 1 and _read_whole_tensors(reader, plan.targets):
-        for fn in plan.finish:
-            fn()
+        apply_loaded(plan, found_step, rank)
         return found_step, state
     try:
         with warnings.catch_warnings():  # DCP warns whenever it runs without a process group
@@ -414,9 +457,27 @@ def _load_once(storage: Storage, state: dict | None, *, step: int | None, verify
         kind = next((k for k in (CorruptCheckpointError, StorageError)
                      if any(isinstance(x, k) for x in failures.values())), FastCkptError)
         raise kind(f"load of step {found_step} failed: {detail or e}") from None
-    for fn in plan.finish:
-        fn()
+    apply_loaded(plan, found_step, rank)
     return found_step, state
+
+
+def apply_loaded(plan: Any, step: int, rank: int) -> None:
+    """The plan's last part, after every tensor was read in place: each sub-state's
+    ``load_state_dict`` (a module's, an optimizer's, a Stateful's) and the plain values, in
+    order. A failure is a StateMismatchError naming the key and saying that the tensors hold
+    the checkpoint's values already (before 2026-12-06: torch's bare error, naming nothing)."""
+    for fn in plan.finish:
+        try:
+            fn()
+        except FastCkptError:
+            raise
+        except Exception as e:
+            key = getattr(fn, "key", None)
+            raise StateMismatchError(
+                f"step {step}: {key!r} did not take the loaded values ({type(e).__name__}: "
+                f"{e}); every tensor of the state was read in place already and holds the "
+                "checkpoint's values (a model's weights too): build the state again before "
+                "retrying", rank=rank) from e
 
 
 class _Resolver:

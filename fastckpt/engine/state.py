@@ -416,15 +416,15 @@ def _plan_slot(container: Any, k: Any, skel: Any, path: tuple, plan: LoadPlan, m
         def load_module(m=dest, sd=sd):
             from torch.distributed.checkpoint.state_dict import set_model_state_dict
             set_model_state_dict(m, sd)
-        plan.finish.append(load_module)
+        _then(plan, path, load_module)
         return
     if _is_optimizer(dest):
         fast = _fresh_optimizer(dest, modules, skel)
         if fast is not None:  # nothing to initialise: the checkpoint says what there is
             tree = _checkpoint_driven(_fresh_moments(dest, fast, skel, meta, alloc), skel, path,
                                       plan, meta, alloc)
-            plan.finish.append(lambda o=dest, tree=tree, names=fast:
-                               o.load_state_dict(_by_param_index(o, tree, names)))
+            _then(plan, path, lambda o=dest, tree=tree, names=fast:
+                  o.load_state_dict(_by_param_index(o, tree, names)))
             return
         sd, model = _optim_sd(dest, modules, saving=False)
         tree = _checkpoint_driven(sd, skel, path, plan, meta, alloc)
@@ -433,9 +433,10 @@ def _plan_slot(container: Any, k: Any, skel: Any, path: tuple, plan: LoadPlan, m
             if model is None:
                 o.load_state_dict(tree)
             else:
-                from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-                set_optimizer_state_dict(model, o, tree)
-        plan.finish.append(load_optim)
+                from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                                     set_optimizer_state_dict)
+                set_optimizer_state_dict(model, o, tree, options=StateDictOptions(strict=strict))
+        _then(plan, path, load_optim)
         return
     if isinstance(dest, (dict, list)):
         _plan_container(dest, skel, path, plan, meta, strict, alloc, modules)
@@ -445,10 +446,17 @@ def _plan_slot(container: Any, k: Any, skel: Any, path: tuple, plan: LoadPlan, m
         return
     if not isinstance(dest, (str, bytes)) and _is_stateful(dest):
         tree = _checkpoint_driven(dest.state_dict(), skel, path, plan, meta, alloc)
-        plan.finish.append(lambda o=dest, tree=tree: o.load_state_dict(tree))
+        _then(plan, path, lambda o=dest, tree=tree: o.load_state_dict(tree))
         return
     # a plain value: replaced by the saved one
     _assign_later(plan, container, k, skel, path, meta, alloc)
+
+
+def _then(plan: LoadPlan, path: tuple, fn: Callable) -> None:
+    """``fn`` (a sub-state's ``load_state_dict``) after the reads, named by its key for the
+    error of a failure (load.apply_loaded)."""
+    fn.key = _fqn(path)  # type: ignore[attr-defined]
+    plan.finish.append(fn)
 
 
 def _plan_tensor(dest: torch.Tensor, skel: Any, path: tuple, plan: LoadPlan, meta: dict) -> None:
@@ -473,7 +481,11 @@ def _plan_tensor(dest: torch.Tensor, skel: Any, path: tuple, plan: LoadPlan, met
 def _target(plan: LoadPlan, saved_fqn: str, dest: torch.Tensor) -> None:
     """Read ``saved_fqn`` into ``dest``. A tensor saved once for two tied keys: a destination
     that is tied too (the same memory) is read once; an untied second one gets a copy of the
-    first after the read."""
+    first after the read. A destination on the meta device has no memory to load into
+    (before 2026-12-06 such a load reported success and loaded nothing)."""
+    if dest.device.type == "meta":
+        raise StateMismatchError("the destination is on the meta device, with no memory to load "
+                                 "into: materialise the model first (to_empty())", key=saved_fqn)
     first = plan.targets.get(saved_fqn)
     if first is None:
         plan.targets[saved_fqn] = dest

@@ -570,11 +570,12 @@ def _tree_blocks(trees: list) -> int | None:
 
 
 def _keys_of(tree: Any) -> Any:
-    """A skeleton's structure: its dicts' keys and lists' lengths, the values dropped."""
+    """A skeleton's structure: its dicts' keys (in lists too), the values dropped; plain values
+    in lists are values too (per-rank lists of different lengths once passed for stages)."""
     if isinstance(tree, dict):
         return {k: _keys_of(v) for k, v in tree.items()}
     if isinstance(tree, list):
-        return [_keys_of(v) for v in tree]
+        return [_keys_of(v) for v in tree if isinstance(v, dict)]
     return None
 
 
