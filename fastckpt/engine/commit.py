@@ -242,7 +242,7 @@ def publish_checked(st: Storage, storage: Storage, path: str, data: bytes, save_
     except Exception as e:
         error = e
     late = may_land_later(error)
-    if late and getattr(error, "outcome_unknown", False):  # a local rename left to its
+    if getattr(error, "outcome_unknown", False):  # a local rename left to its
         # thread under way: the mount stopped answering, a read-back would wait on it too
         raise _unknown(path, step, f"did not finish in time and may still land ({error})"
                        ) from error

@@ -67,6 +67,11 @@ from .s3call import (CONCURRENCY, LOST_TRY, MAX_ATTEMPTS, MAX_PARTS, MIN_PART, P
 
 log = logging.getLogger("fastckpt")
 
+
+def _refused(e: StorageError) -> bool:
+    """A conditional PUT the store refused (412: its condition did not hold)."""
+    return isinstance(e.__cause__, S3RequestError) and e.__cause__.status == 412
+
 #: (endpoint, bucket) -> whether it honours conditional writes, probed once per process
 _COND: dict = {}
 _COND_LOCK = threading.Lock()
@@ -287,14 +292,13 @@ class S3Storage(S3Calls, FsspecStorage):
                      IfNoneMatch="*", what="publishing")
             return
         except StorageError as e:
-            if not (isinstance(e.__cause__, S3RequestError) and e.__cause__.status == 412):
+            if not _refused(e):
                 raise
         # a manifest is there: ours (an earlier try's answer was lost), or a committed save of
         # this step that this one replaces, only as it is now
-        out = self._op("head_object", path, what="publishing", missing_ok=True)
-        if out is not None:
-            if self.read_bytes(path) == data:
-                return
+        out, ours = self._holds(path, data)
+        if ours:
+            return
         try:
             if out is None:  # removed in between: put-if-absent again
                 self._op("put_object", path, nbytes=len(data), body=memoryview(data),
@@ -303,15 +307,19 @@ class S3Storage(S3Calls, FsspecStorage):
                 self._op("put_object", path, nbytes=len(data), body=memoryview(data),
                          IfMatch=out["ETag"], what="publishing")
         except StorageError as e:
-            if isinstance(e.__cause__, S3RequestError) and e.__cause__.status == 412:
+            if _refused(e):
                 # ours, when a try whose answer was lost wrote it (its retry then fails the
                 # condition): before 2026-12-06 that was "not committed" for a committed save
-                if self._op("head_object", path, what="publishing", missing_ok=True
-                            ) is not None and self.read_bytes(path) == data:
+                if self._holds(path, data)[1]:
                     return
                 raise StorageError("the manifest changed while this save committed (another "
                                    "writer?): not committed", file=self.display(path)) from e
             raise
+
+    def _holds(self, path: str, data: bytes) -> tuple[dict | None, bool]:
+        """(the HEAD of the object at ``path``, None if there is none; whether it is ``data``)."""
+        out = self._op("head_object", path, what="publishing", missing_ok=True)
+        return out, out is not None and self.read_bytes(path) == data
 
     # -- shards --------------------------------------------------------------------------------
     def _part(self, nbytes: int) -> int:

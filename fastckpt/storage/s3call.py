@@ -296,7 +296,7 @@ class S3Calls:
             err = StorageError(f"{what} failed: {e}", file=self.display(path), offset=offset)
             err.errno = errno.ENOENT if gone else (errno.EACCES if e.status == 403 else None)
             # a try without an HTTP answer (a connection cut): the store may still apply it
-            err.answered = not getattr(e, "lost", False)  # type: ignore[attr-defined]
+            err.answered = not e.lost  # type: ignore[attr-defined]
             raise err from e
         except Exception as e:
             raise storage_error(e, what, self.display(path), offset=offset) from e
