@@ -54,12 +54,13 @@ from torchtitan.components.checkpointer.dcp import AsyncMode
 
 from . import dcp as fdcp
 from .engine import dist as _dist
-from .errors import CheckpointNotFoundError, StorageError
+from .errors import CheckpointNotFoundError, StorageError, StorageTimeoutError
 from .manifest import schema as fmt
 from .manifest.discovery import committed_steps, read_manifest
 from .manifest.values import decode_value, encode_value
 from .retention import apply_retention
 from .storage import Storage, open_storage
+from .storage.bounded import CALL_S
 
 __all__ = ["CheckpointManager", "use_fastckpt"]
 
@@ -171,6 +172,8 @@ class CheckpointManager(_TitanManager):
                         f"--checkpoint.load_step={step}: step {step} under {self.folder} was "
                         f"never committed (its save did not finish: no {fmt.MANIFEST}); "
                         f"committed steps: {steps or 'none'}", file=d)
+            except StorageTimeoutError:
+                raise  # a mount that stops answering: named, not taken for "no folder"
             except StorageError:
                 pass  # (no folder: torchtitan's own load says so)
         return super().load(step)
@@ -184,10 +187,11 @@ class CheckpointManager(_TitanManager):
 
     def _find_load_step(self, folder: str = "") -> int:
         storage = self._storage(folder or self.folder)
-        try:  # the newest valid one resumes; `fastckpt verify` names the damage
-            newest = next(committed_steps(storage, newest_first=True), None)
-        except StorageError:
-            return -1  # no folder yet: a fresh start, as torchtitan's own manager says
+        # the newest valid one resumes; `fastckpt verify` names the damage. No folder yet lists
+        # as no steps (a fresh start, as torchtitan's own manager says); a folder that cannot
+        # be read raises (before 2026-12-06 any StorageError, a hung mount's or EIO, was taken
+        # for "no folder" and the job started again from step 0)
+        newest = next(committed_steps(storage, newest_first=True), None)
         if newest is not None:
             return newest
         # nothing committed by fastckpt: torchtitan's own DCP checkpoints, if any
@@ -223,7 +227,10 @@ class CheckpointManager(_TitanManager):
 
     # -- helpers --------------------------------------------------------------------------------
     def _storage(self, folder: str) -> Storage:
-        return open_storage(folder)
+        """The folder's storage, each metadata call bounded (``CALL_S``) as a load's are: a
+        mount that stops answering is a ``StorageTimeoutError`` naming the file (before
+        2026-12-06 the step discovery and ``load_step``'s manifest read waited without bound)."""
+        return open_storage(folder).per_call(CALL_S)
 
     def _is_fastckpt_step(self, checkpoint_id: str) -> bool:
         """Whether ``checkpoint_id`` (``ROOT/step-N``) is a committed fastckpt step; a damaged

@@ -165,3 +165,86 @@ def test_torchtitan_load_step_of_an_uncommitted_step_says_it_never_committed(tmp
     msg = str(e.value)
     assert ".metadata" not in msg, msg[-600:]  # read by torchtitan's DCP reader instead
     assert "commit" in msg or "manifest" in msg, msg[-600:]
+
+
+# ------------------------------------------------------------------------------------------
+# Before 2026-12-06 (fastckpt/torchtitan.py, CheckpointManager._find_load_step and load): the
+# resume's step discovery took any StorageError for "no folder yet" and returned -1 (a job whose
+# checkpoint folder gave EIO started again from step 0, its saves beside the committed steps),
+# and the discovery and load_step's manifest read ran unbounded on a mount that stops answering.
+# ------------------------------------------------------------------------------------------
+
+def _titan_manager(folder):
+    """fastckpt's torchtitan manager with only what its step discovery reads (no model: the
+    methods under test read the folder and nothing else)."""
+    pytest.importorskip("torchtitan")
+    from fastckpt.torchtitan import CheckpointManager
+
+    class Bare(CheckpointManager):
+        def __del__(self):  # (torchtitan's closes its stager, which this one never built)
+            pass
+    mgr = object.__new__(Bare)
+    mgr.folder, mgr.enable, mgr._dcp_steps = folder, True, {}
+    return mgr
+
+
+def _in_thread(fn, seconds):
+    """fn() on a thread: ("raised", error) / ("returned", value), or ("hung", None) when it
+    has not ended within ``seconds``."""
+    import threading
+    out = []
+
+    def body():
+        try:
+            out.append(("returned", fn()))
+        except BaseException as e:  # noqa: BLE001 - the outcome is what is checked
+            out.append(("raised", e))
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(seconds)
+    return out[0] if out else ("hung", None)
+
+
+@pytest.mark.parametrize("call", ["discovery", "load_step"])
+def test_torchtitan_step_discovery_on_a_hung_mount_is_bounded(tmp_path, monkeypatch, call):
+    import fastckpt.torchtitan as ft
+    from fastckpt.errors import StorageTimeoutError
+    from tests.test_hung_storage import Hung
+    root = str(tmp_path / "checkpoint")
+    fastckpt.save({"w": torch.ones(4)}, root, step=2)
+    st = Hung(root, hang=("manifest",))
+    monkeypatch.setattr(ft, "open_storage", lambda folder, **kw: st)
+    monkeypatch.setattr(ft, "CALL_S", 1.0)  # (120 s)
+    mgr = _titan_manager(root)
+    try:
+        fn = mgr._find_load_step if call == "discovery" else (lambda: mgr.load(step=2))
+        how, got = _in_thread(fn, 10)
+    finally:
+        st.answers()
+    assert st.entered.is_set(), "the simulated hang was not reached"
+    assert how == "raised" and isinstance(got, StorageTimeoutError), (how, got)
+    assert got.file.endswith("manifest.json") and "did not return" in str(got), got
+
+
+def test_torchtitan_step_discovery_on_an_unreadable_folder_is_not_a_fresh_start(tmp_path,
+                                                                                 monkeypatch):
+    import errno
+
+    import fastckpt.torchtitan as ft
+    from fastckpt.errors import StorageError
+    from fastckpt.storage.base import storage_error
+    from fastckpt.storage.local import LocalStorage
+    root = str(tmp_path / "checkpoint")
+    fastckpt.save({"w": torch.ones(4)}, root, step=2)
+
+    class Eio(LocalStorage):
+        def subdirs(self, path):
+            raise storage_error(OSError(errno.EIO, "Input/output error"), "listing", path)
+    monkeypatch.setattr(ft, "open_storage", lambda folder, **kw: Eio(folder))
+    with pytest.raises(StorageError, match="listing") as e:
+        _titan_manager(root)._find_load_step()
+    assert e.value.file == root
+    # (and a folder not created yet is a fresh start, as in torchtitan's own manager)
+    monkeypatch.setattr(ft, "open_storage", lambda folder, **kw: LocalStorage(folder))
+    assert _titan_manager(str(tmp_path / "none"))._find_load_step() == -1
+    assert _titan_manager(root)._find_load_step() == 2
