@@ -366,3 +366,62 @@ def test_an_optimizer_that_does_not_load_leaves_the_model_as_it_was_or_says_so(r
     assert isinstance(ei.value, fastckpt.errors.FastCkptError) or not changed, (
         f"the model was overwritten (emb.weight changed: {changed}) and the load raised "
         f"{type(ei.value).__name__}: {str(ei.value)[:160]}")
+
+
+# ------------------------------------------------------------------------------------------
+# Before 2026-12-06 (engine/chunks.py _box, engine/load.py _box; docs review): a DTensor's box
+# was torch's __create_chunk_list__, which keeps each dim's first global index only. For a
+# _StridedShard that no later mesh dim undoes ([_StridedShard(0, split_factor=2)] on a mesh of
+# 2: rank 0 holds rows 0, 1, 4, 5 of 8) torch says rows 0-3: the save committed overlapping
+# boxes and a load put rows in the wrong places, silently. FSDP2 + TP's composition
+# ([_StridedShard(0, sf), Shard(0)] on (dp, tp)) ends in one box per rank and is kept.
+# ------------------------------------------------------------------------------------------
+
+def _strided(rank, world, root, mode):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    full = torch.arange(8.0 * 3).reshape(8, 3)
+    if mode == "fsdp_tp":  # FSDP2 + TP's layout on a (dp, tp) = 2 x 2 mesh, and back
+        mesh, pl = init_device_mesh("cpu", (2, 2)), [_StridedShard(0, split_factor=2), Shard(0)]
+    else:
+        mesh, pl = init_device_mesh("cpu", (world,)), [_StridedShard(0, split_factor=2)]
+    local = full
+    for m, p in enumerate(pl):  # the rows this rank holds, by torch's own definition
+        local = p._split_tensor(local, mesh.size(m), with_padding=False)[0][
+            mesh.get_coordinate()[m]]
+    dt = DTensor.from_local(local.contiguous(), mesh, pl, run_check=False, shape=full.shape,
+                            stride=full.stride())
+    try:
+        if mode == "load":  # a plain save of the whole tensor, loaded into the strided layout
+            st = {"w": dt.__class__.from_local(torch.zeros_like(local), mesh, pl,
+                                               run_check=False, shape=full.shape,
+                                               stride=full.stride())}
+            fastckpt.load(st, root)
+            return ("loaded", torch.equal(st["w"].to_local(), local))
+        fastckpt.save({"w": dt}, root, step=1)
+    except Exception as e:  # noqa: BLE001
+        return ("raised", type(e).__name__, str(e))
+    got = {"w": torch.zeros(8, 3)}
+    fastckpt.load(got, root)
+    return ("saved", torch.equal(got["w"], full))
+
+
+def _save_whole(rank, world, root):
+    fastckpt.save({"w": torch.arange(8.0 * 3).reshape(8, 3)}, root, step=1)
+
+
+@pytest.mark.parametrize("mode", ["save", "load", "fsdp_tp"])
+def test_strided_shards_that_are_not_one_box_are_refused(tmp_path, mode):
+    root = str(tmp_path / "ck")
+    if mode == "load":
+        run(_save_whole, 1, root)
+    res = run(_strided, 4 if mode == "fsdp_tp" else 2, root, mode)
+    if mode == "fsdp_tp":
+        assert all(r == ("saved", True) for r in res), res
+        return
+    for r in res:
+        assert r[0] == "raised" and r[1] == "UnsupportedStateError", res
+        assert r[2].startswith("tensor 'w'") and "not a single box" in r[2], res
+    if mode == "save":
+        assert fastckpt.steps(root) == []

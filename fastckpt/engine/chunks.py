@@ -158,7 +158,7 @@ def _box(t, local: torch.Tensor, key: tuple, boxes: dict, fqn: str) -> tuple:
                 "rank's local tensor is a summand, not a box of the tensor; reduce it first "
                 "(.redistribute(..., [Replicate()]) or .full_tensor())", key=fqn)
         chunks = t.__create_chunk_list__()
-        if len(chunks) != 1:
+        if len(chunks) != 1 or (strided(t) and held_box(t) is None):
             box = None
         else:
             box = boxes[key] = (tuple(chunks[0].offsets), tuple(chunks[0].sizes))
@@ -167,6 +167,44 @@ def _box(t, local: torch.Tensor, key: tuple, boxes: dict, fqn: str) -> tuple:
             f"DTensor placements {t.placements} give this rank a local tensor that is "
             "not a single box of the global tensor; not supported yet", key=fqn)
     return box
+
+
+def strided(t) -> bool:
+    """Whether a DTensor has a ``_StridedShard`` placement (FSDP2 + TP's)."""
+    return any(type(p).__name__ == "_StridedShard" for p in t.placements)
+
+
+def held_box(t) -> tuple | None:
+    """(offsets, sizes) of the global rows a DTensor's local tensor holds, composed placement
+    by placement as torch does (``_get_shard_size_and_offsets``: the exact global indexes
+    along each sharded dim, strided ones included); None when they are not one box.
+
+    torch's box (``__create_chunk_list__``, ``compute_local_shape_and_global_offset``) keeps
+    only each dim's first index: right for FSDP2 + TP's ``[_StridedShard(0, sf), Shard(0)]``,
+    whose rows end contiguous, but a ``_StridedShard`` that is not undone by a later mesh dim
+    (``[_StridedShard(0, split_factor=2)]`` on a mesh of 4: rows 1 and 5 of 8 on rank 1) is
+    reported as rows 1-2. Before 2026-12-06 such a tensor was saved under that box (boxes of
+    two ranks overlapping, rows in the wrong places) and loaded into one the same way."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+    from torch.distributed.tensor.placement_types import _StridedShard
+    mesh, coord = t.device_mesh, t.device_mesh.get_coordinate()
+    if coord is None:
+        return None
+    sizes, rows = list(t.shape), [None] * t.dim()
+    for m, p in enumerate(t.placements):
+        if isinstance(p, (Shard, _StridedShard)):
+            n, at = _get_shard_size_and_offsets(sizes[p.dim], mesh.size(m), coord[m], p,
+                                                rows[p.dim], t.shape[p.dim], False)
+            sizes[p.dim], rows[p.dim] = n, at if n else torch.arange(0)
+    offsets = []
+    for d, r in enumerate(rows):
+        first = int(r[0]) if r is not None and len(r) else 0
+        if r is not None and len(r) and not torch.equal(
+                r, torch.arange(first, first + len(r), dtype=r.dtype)):
+            return None
+        offsets.append(first)
+    return tuple(offsets), tuple(sizes)
 
 
 # ------------------------------------------------------------------------------------- load

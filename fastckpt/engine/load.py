@@ -24,7 +24,7 @@ from ..manifest.index import writers_of
 from ..storage import Storage
 from ..storage.pyio import huge_pages
 from . import dist as _dist
-from .chunks import empty_for
+from .chunks import empty_for, held_box, strided
 from .dtypes import tensor_meta
 from .reader import FastCkptReader
 from .readitems import READ_STALL_S
@@ -279,6 +279,9 @@ def _box(t: torch.Tensor) -> tuple[tuple, tuple] | None:
     shard of a DTensor, a whole regular tensor; None for a DTensor layout we do not know."""
     if not is_dtensor(t):
         return (0,) * t.dim(), tuple(t.shape)
+    if strided(t):  # (torch's box is its first rows only: see chunks.held_box)
+        box = held_box(t)
+        return box if box is not None and box[1] == tuple(t.to_local().shape) else None
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     if tuple(sizes) != tuple(t.to_local().shape):

@@ -482,10 +482,18 @@ def _target(plan: LoadPlan, saved_fqn: str, dest: torch.Tensor) -> None:
     """Read ``saved_fqn`` into ``dest``. A tensor saved once for two tied keys: a destination
     that is tied too (the same memory) is read once; an untied second one gets a copy of the
     first after the read. A destination on the meta device has no memory to load into
-    (before 2026-12-06 such a load reported success and loaded nothing)."""
+    (before 2026-12-06 such a load reported success and loaded nothing); a DTensor whose local
+    rows are not one box (``chunks.held_box``) would be read by torch's box of it, so it is
+    refused as a save of it is."""
     if dest.device.type == "meta":
         raise StateMismatchError("the destination is on the meta device, with no memory to load "
                                  "into: materialise the model first (to_empty())", key=saved_fqn)
+    if is_dtensor(dest):
+        from .chunks import held_box, strided
+        if strided(dest) and held_box(dest) is None:
+            raise UnsupportedStateError(
+                f"DTensor placements {dest.placements} give this rank a local tensor that is "
+                "not a single box of the global tensor; not supported yet", key=saved_fqn)
     first = plan.targets.get(saved_fqn)
     if first is None:
         plan.targets[saved_fqn] = dest
