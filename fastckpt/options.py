@@ -36,7 +36,7 @@ class CheckpointOptions:
         tensors (run on a side stream into pinned staging buffers): "stream" (the current stream
         waits for them on the GPU; ``save`` returns without a host wait) or "sync" (``save``
         waits on the host until they are done; use it when the saved tensors may be written
-        from other streams). See fastckpt/_device.py.
+        from other streams). See fastckpt/engine/device.py.
     verify: check every chunk's checksum on load.
     fingerprint: how a regular (non-DTensor) tensor above 1 MiB that several ranks hold is
         compared across them to tell a replicated tensor (written once) from a per-rank one:

@@ -316,7 +316,8 @@ def verify(root: str, step: int | None, all_steps: bool, jobs: int, no_record: b
     """Re-read every shard of a committed step and check it against its manifest.
 
     Checks each file's presence and size, every tensor chunk's checksum, that the alignment
-    padding is zero and each file's whole checksum; names each bad file, tensor and byte
+    padding is zero and, for manifests that record one (older formats), each file's whole
+    checksum; compressed frames are decoded; names each bad file, tensor and byte
     offset. Exit 1 on any problem. The result is recorded for `fastckpt ls`. A local ROOT
     with a remote tier: each tier's step (--tier to pick one).
     """
