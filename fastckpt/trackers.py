@@ -344,14 +344,20 @@ class MlflowRun(TrackerRun):
         mlflow.log_metrics(metrics, step=step, run_id=self.run_id)
 
     def _close(self, outcome: str, code: int, info: dict | None) -> None:
+        # the status and the exit handler first, the server's calls after: a hook left behind
+        # on a slow server (the trigger waits for it at most 5 s) still ends the run with its
+        # status, not MLflow's own FINISHED at exit (before 2026-12-06 a preempted run could
+        # show FINISHED)
+        self._status = self._STATUS[outcome]
+        own = threading.get_ident() == self._thread
+        if not own:
+            atexit.register(self._end_fluent)  # runs before MLflow's (registered at its import)
         for k, v in _stop_fields(outcome, code, info).items():
             self._client.set_tag(self.run_id, f"fastckpt.{k}", str(v))
-        self._status = self._STATUS[outcome]
-        if threading.get_ident() == self._thread:
+        if own:
             self._end_fluent(terminate=True)
             return
         self._client.set_terminated(self.run_id, self._status)
-        atexit.register(self._end_fluent)  # runs before MLflow's (registered at its import)
 
     def _after_end(self) -> None:
         if threading.get_ident() == self._thread:

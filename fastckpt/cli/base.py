@@ -218,7 +218,7 @@ def grace_window(root: str, grace: int | None) -> tuple[int, str]:
 def job_name(root: str, fallback: str = "train") -> str:
     """A job name from the root's last component (lowercase letters, digits, '-')."""
     base = os.path.basename(root.rstrip("/")) or fallback
-    name = re.sub(r"[^a-z0-9-]+", "-", base.lower()).strip("-")[:50] or fallback
+    name = re.sub(r"[^a-z0-9-]+", "-", base.lower()).strip("-")[:50].rstrip("-") or fallback
     return f"{name}-{fallback}" if not name[0].isalnum() else name
 
 

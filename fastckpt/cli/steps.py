@@ -76,6 +76,15 @@ def resume(root: str, cmd: tuple[str, ...], as_json: bool, do_verify: bool, quie
     if requeue and not supervise:
         raise CliError("--requeue needs --supervise (the supervisor requeues after CMD exits)",
                        EXIT_USAGE)
+    if signal_as and not supervise:
+        raise CliError("--signal-as needs --supervise (the supervisor passes the signals on; "
+                       "without it CMD is exec'd and gets them as sent)", EXIT_USAGE)
+    if supervise and not cmd:
+        raise CliError("--supervise needs CMD (fastckpt resume ROOT --supervise -- CMD ...)",
+                       EXIT_USAGE)
+    if supervise:
+        from .supervise import catch_early
+        catch_early()  # (a stop during the start below is passed on once CMD runs)
     from ..manifest.discovery import read_small_json
     from ..tools import (VERIFIED_PREFIX, display_path, not_found_hint,
                          step_data_bytes)

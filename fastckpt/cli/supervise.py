@@ -131,6 +131,20 @@ def events_dir(root: str) -> str | None:
     return os.path.join(root.removeprefix("file://"), "events")
 
 
+#: stop signals received before CMD started (see :func:`catch_early`)
+_early: list[int] = []
+
+
+def catch_early() -> None:
+    """(first thing in ``resume --supervise``) Record the stop signals until CMD runs;
+    :func:`run` passes them on once it does. A container's PID 1 with no handler loses a
+    signal (the kernel drops it), and any other process dies of it: before 2026-12-06 the
+    handlers came after reading ROOT (seconds for a remote one), and a pod deleted meanwhile
+    trained on until the SIGKILL with no emergency checkpoint."""
+    for s in [signal.SIGINT] + [signal.Signals[n] for n in STOP_SIGNALS]:
+        signal.signal(s, lambda signum, frame: _early.append(signum))
+
+
 def run(cmd: tuple[str, ...], env: dict, *, events: str | None, signal_as: str | None,
         echo, requeue: bool = False) -> int:
     """Run CMD to its end; the job's exit code (see the module's docstring)."""
@@ -170,6 +184,8 @@ def _run(cmd: tuple[str, ...], env: dict, *, events: str | None, signal_as: str 
     sigs = [signal.SIGINT] + [signal.Signals[n] for n in STOP_SIGNALS]
     for s in sigs:
         signal.signal(s, forward)
+    while _early:  # (those of the start, now that CMD runs)
+        forward(_early.pop(0), None)
     rc = child.wait()  # the handlers run in between; the wait resumes (PEP 475)
     for s in sigs:  # from here only the exit code is left to compute: nothing may kill that
         signal.signal(s, signal.SIG_IGN)

@@ -223,6 +223,7 @@ class ShortWindow(Scenario):
                   f"exit events after the first signal: "
                   f"{[x['timeline'].get('exit') for x in run.ranks]} s "
                   f"(window {run.window_s} s)")
+        judge_gone(run)
         newer = [s for s in run.measured.get("step_dirs", []) if s > opts.save_at]
         run.check("nothing newer on disk", not newer,
                   f"step directories {run.measured.get('step_dirs')}")
@@ -260,6 +261,7 @@ def judge_committed_stop(run: ScenarioRun, opts: DrillOptions,
     exits = [x["timeline"].get("exit") for x in run.ranks]
     run.check("exit before the deadline", not late,
               f"exit events after the first signal: {exits} s (window {run.window_s} s)")
+    judge_gone(run)
     # every rank's deadline is the job's first signal + the window - its teardown reserve,
     # also on a rank signalled later (or not at all): consensus time + time left, per rank
     ends = [None if not x.get("consensus") or x["consensus"].get("deadline_in_s") is None
@@ -277,6 +279,17 @@ def judge_committed_stop(run: ScenarioRun, opts: DrillOptions,
               f"newest committed {newest}: " + ("verified" if v and v[0]["ok"] else
                                                 str(v[0]["problems"]) if v else "not verified"))
     judge_restart(run, opts)
+
+
+def judge_gone(run: ScenarioRun) -> None:
+    """Every rank's process gone within the window from the first signal: the platform
+    SIGKILLs what is left then (exit 137: Slurm FAILED, a Kubernetes failure), so an exit
+    event in time followed by a teardown past the window is a failure (before 2026-12-06 the
+    local scenarios checked the exit events only; the drill kills a rank as hung only later)."""
+    gone = [x.get("gone_s") for x in run.ranks]
+    run.check("every rank gone within the window",
+              all(g is not None and g < run.window_s for g in gone),
+              f"processes gone {gone} s after the first signal (window {run.window_s} s)")
 
 
 def judge_previous_intact(run: ScenarioRun, opts: DrillOptions) -> None:

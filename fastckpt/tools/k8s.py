@@ -100,7 +100,14 @@ def _scalar(x: Any) -> str:
         return "true" if x else "false"
     if isinstance(x, (int, float)):
         return json.dumps(x)
-    return json.dumps(str(x))
+    # JSON writes a character outside the BMP as a surrogate pair ("\\ud83d\\ude00"), which
+    # YAML reads as two lone surrogates (or refuses): YAML's own 8-digit escape instead
+    return _PAIR.sub(lambda m: m[1] + "\\U%08X" % (
+        0x10000 + ((int(m[2], 16) - 0xD800) << 10) + int(m[3], 16) - 0xDC00), json.dumps(str(x)))
+
+
+#: a surrogate pair's escapes, not preceded by an escaped backslash (a literal "\\ud83d")
+_PAIR = re.compile(r"(?<!\\)((?:\\\\)*)\\u(d[89ab][0-9a-f]{2})\\u(d[c-f][0-9a-f]{2})")
 
 
 def _node(x: Any, indent: int) -> str:

@@ -75,7 +75,7 @@ def sbatch_script(*, root: str, cmd: list[str], grace_s: int, source: str, name:
         f"#SBATCH --ntasks-per-node={tasks}",
         "#SBATCH --requeue",
         "#SBATCH --open-mode=append",
-        f"#SBATCH --output={logs}/%x-%j.out",
+        f"#SBATCH --output={_directive(logs + '/%x-%j.out')}",
         # USR1 arrives LEAD s (and up to 60 s more) before the limit; +5 s for the requeue
         f"#SBATCH --signal=B:USR1@{grace_s + 5}",
     ]
@@ -93,6 +93,8 @@ def sbatch_script(*, root: str, cmd: list[str], grace_s: int, source: str, name:
         f"mkdir -p {q(logs)}",
         "# the window of each signal, for the ranks (scancel and preemption: KillWait)",
         "kill_wait=$(scontrol show config 2>/dev/null | awk '$1 == \"KillWait\" {print $3}')",
+        "# (KillWait=0: SIGKILL right after SIGTERM; the ranks take 1 s, no save fits in it)",
+        "[ \"${kill_wait:-30}\" -ge 1 ] 2>/dev/null || kill_wait=1",
         f"export FASTCKPT_GRACE_S={grace_s}",
         f"export FASTCKPT_SIGNAL_GRACE_S=\"SIGUSR1={grace_s},SIGTERM=${{kill_wait:-30}}\"",
     ]
@@ -120,6 +122,14 @@ def sbatch_script(*, root: str, cmd: list[str], grace_s: int, source: str, name:
             "    " + " ".join(q(a) for a in cmd),
         ]
     return "\n".join(head + body) + "\n"
+
+
+def _directive(value: str) -> str:
+    """An #SBATCH option's value as sbatch reads it back whole: sbatch splits a directive
+    at whitespace and takes an unescaped '#' for a comment (before 2026-12-06 a ROOT with a
+    space made sbatch refuse the script; one with '#' sent the log to a truncated path), so
+    the value is double-quoted and '\\', '"' and '#' are escaped with a backslash."""
+    return '"' + re.sub(r'([\\"#])', r"\\\1", value) + '"'
 
 
 #: the signals the generated torchrun passes on to its workers as themselves (torch 2.13's
