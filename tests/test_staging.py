@@ -80,7 +80,14 @@ def test_pool_capped_mode_bounds_buffers():
     pool.acquire(2)
     assert pool._free.empty()  # a fourth piece would wait for the writer to release one
     pool.release(a)
-    assert pool.acquire(3) is a
+    from fastckpt.storage.pyio import _address
+    b = pool.acquire(3)  # the same buffer, lent as a view of its own
+    assert _address(b) == _address(a) and b is not a
+    pool.release(a)  # (a view given back twice: nothing)
+    assert pool._free.empty()
+    pool.prepare([1 << 20] * 10, cap=3 << 20)  # the next save: views of the last are not taken
+    pool.release(b)
+    assert pool._free.qsize() == 3
     pool.prepare([1 << 20] * 3, cap=None)
     assert not pool.capped and pool.nbytes == 3 << 20
 

@@ -292,7 +292,7 @@ class Engine:
                             bound=self._writer.stuck_bound(plan.file_size, deadline))
         handle.earlier_failure = earlier
         job = Job(plan, handle, step_dir, user_meta=user_meta, t0=t0, deadline=deadline,
-                  compress=compress)
+                  compress=compress, owner=self)
         handle.compression = self._compression.last
         if self._tier is not None and deadline is None:  # (emergency saves: the trigger's call)
             job.upload = self._upload_next
@@ -433,15 +433,15 @@ class Engine:
         one is written, then wait for the commit: the tensors are read until the shards are
         written. An emergency save returns at its deadline even so: its caller gives up."""
         handle = job.handle
-        for piece in job.plan.pieces:  # (a failure: the caller tells the writer, _save)
-            job.pieces.put((piece, gather_piece(piece, data, self.storage.io), None, None))
-        end = deadline if deadline is not None else handle.bound
-        try:
+        try:  # (Ctrl-C or a failed gather, also while gathering: before 2026-12-06 it raised
+            for piece in job.plan.pieces:  # while queued pieces were still written from them)
+                job.pieces.put((piece, gather_piece(piece, data, self.storage.io), None, None))
+            end = deadline if deadline is not None else handle.bound
             done = handle._done.wait(max(0.0, end - time.monotonic()))
-        except BaseException:  # (Ctrl-C): the writes read the tensors the caller gets back;
-            job.cancel.set()  # nothing of this save may commit, and no write may go on
-            # (not handle.bound: a write still under way only reads them, and cannot commit)
-            handle._done.wait(2 * self.options.commit_timeout_s + 5)
+        except BaseException as e:  # the writes read the tensors the caller gets back:
+            job.pieces.put((None, e, None, None))  # nothing of this save may commit, and no
+            job.cancel.set()  # write may go on (not handle.bound: a write under way only
+            handle._done.wait(2 * self.options.commit_timeout_s + 5)  # reads, cannot commit)
             raise
         if done:
             handle._staged.set()
@@ -464,7 +464,7 @@ class Engine:
                 stager.begin_save()
             for piece in job.plan.pieces:
                 # (capped pool: waits for the writer, or until the save failed there)
-                buf = self._pool.acquire(piece.index, job.handle._done)
+                buf = self._pool.acquire(piece.index, job.failed)
                 hashes = stage_piece(piece, buf, data, io, stager, copies)
                 # device chunks are still being copied: the writer waits for `ready`
                 ready = stager.end_piece() if stager is not None else None

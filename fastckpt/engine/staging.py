@@ -128,13 +128,20 @@ def split(chunks, limit: int, first: int | None = None,
 
 class StagingPool:
     """Reusable page-aligned host buffers (see the module docstring). With a ``pinner`` (a
-    :class:`fastckpt._device.DeviceStager`, for states holding CUDA tensors) every buffer is
-    page-locked once and unregistered before it is freed."""
+    :class:`fastckpt.engine.device.DeviceStager`, for states holding CUDA tensors) every buffer
+    is page-locked once and unregistered before it is freed.
+
+    A capped pool lends each buffer as a view of its own (``acquire``) and takes back only the
+    views of the current save (``release``): a write left to its thread by a failed save (a
+    hung mount) that returns later cannot give its buffer back a second time, into a later save
+    that has lent it again (before 2026-12-06 two of that save's pieces were then staged into
+    one buffer, and the shard of the first was written with the second's bytes)."""
 
     def __init__(self) -> None:
         self._dedicated: list[memoryview] = []
         self._shared: list[memoryview] = []
         self._free: queue.Queue = queue.Queue()
+        self._lent: dict[int, tuple] = {}  # id(view) -> (view, buffer): this save's loans
         self.capped = False
         self._pinner = None
 
@@ -203,6 +210,7 @@ class StagingPool:
             self._drop(self._shared)
             self._shared = [self._new(size) for _ in range(n)]
         self._free = queue.Queue()
+        self._lent = {}  # (an earlier save's loans, still out, are not taken back)
         for b in self._shared:
             self._free.put(b)
 
@@ -213,15 +221,22 @@ class StagingPool:
             return self._dedicated[index]
         while True:
             try:
-                return self._free.get(timeout=0.1)
+                buf = self._free.get(timeout=0.1)
             except queue.Empty:
                 if failed is not None and failed.is_set():
                     raise FastCkptError("the save ended (failed in the writer) while staging "
                                         "waited for a buffer") from None
+                continue
+            view = buf[:]
+            self._lent[id(view)] = (view, buf)
+            return view
 
     def release(self, buf) -> None:
+        """Take back a view ``acquire`` lent for the current save (anything else: nothing)."""
         if self.capped and isinstance(buf, memoryview):  # not a zero-copy save's Gathered
-            self._free.put(buf)
+            loan = self._lent.pop(id(buf), None)
+            if loan is not None and loan[0] is buf:
+                self._free.put(loan[1])
 
 
 def shard_pieces(plan: Any, data: dict, zero_copy: bool, cap: int | None,

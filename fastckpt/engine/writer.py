@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import math
 import os
 import queue
 import socket
@@ -58,6 +57,7 @@ log = logging.getLogger("fastckpt")
 
 WRITE_STREAMS = 2  # shard files written at once by one rank
 DISCARD_S = 10.0  # removing a failed save's files from a remote store, at most
+DRAIN_S = 30.0  # after a failure, taking the pieces staging still hands over, at most
 #: how long past its bound a shard write is waited for (a remote store's own bound, at the
 #: deadline, reports first; past this, a write that has not returned fails the save)
 WRITE_GRACE_S = 5.0
@@ -81,6 +81,7 @@ class Job:
     #: (piece, buffer, hashes, ready) as they are staged; (None, error, ...) when staging failed
     pieces: queue.Queue = field(default_factory=queue.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)  # superseded: stop early
+    failed: threading.Event = field(default_factory=threading.Event)  # (writer) staging stops
     deadline: float | None = None  # monotonic; the emergency save's commit deadline
     files: set = field(default_factory=set)  # (coordinator) the shard files it committed
     #: this rank's shard files as written (name, size, chunks): the remote tier uploads them
@@ -91,6 +92,9 @@ class Job:
     upload: bool = False  # hand it to the remote tier once committed (the plan decided)
     compress: bool = False  # encode the pieces (engine/compress.py)
     write_deadline: float = 0.0  # (monotonic) the write phase's, set by the writer
+    #: the Engine, kept alive while the writer holds the job: its atexit close (a weak
+    #: reference) then finishes the save of a Checkpointer the program dropped (lost before)
+    owner: Any = None
 
 
 class Writer:
@@ -172,9 +176,11 @@ class Writer:
                 self._write_and_commit(job)
                 job.handle._finish(None)
             except BaseException as e:  # carried to the caller through the handle
+                job.failed.set()
                 log.error("fastckpt: rank %d: save of step %d failed: %s", self.rank,
                           job.handle.step, e)
                 job.handle._finish(e)
+            job = None  # (its owner, the Engine, is kept alive by queued and running jobs only)
 
     def _write_and_commit(self, job: Job) -> None:
         """(background) Write this rank's shards, then the commit protocol. Every call to a
@@ -210,18 +216,22 @@ class Writer:
                 ex = self._io
                 streams = ex.size
                 while remaining:
-                    piece, buf, hashes, ready = job.pieces.get()
+                    piece, buf, hashes, ready = self._next_piece(job, pending, plan)
                     remaining -= 1
                     if piece is None:
                         remaining = 0  # the training thread stopped staging
-                        raise FastCkptError(f"staging failed: {buf}") from buf
+                        raise FastCkptError(f"staging failed: {type(buf).__name__}: {buf}") from buf
                     if job.cancel.is_set():
                         self._release(buf, ready)
                         raise FastCkptError(f"save of step {plan.step} was cancelled (superseded "
                                             "by a newer save, or its call was interrupted); "
                                             "nothing was committed")
-                    while len(pending) >= streams or (pending and pending[0][0].done()):
-                        files.append(self._result(pending.popleft(), plan))
+                    try:
+                        while len(pending) >= streams or (pending and pending[0][0].done()):
+                            files.append(self._result(pending.popleft(), plan))
+                    except BaseException:
+                        self._release(buf, ready)  # (the piece just taken: never written)
+                        raise
                     pending.append((ex.submit(self._write_piece, st, d, plan, piece, buf,
                                               hashes, ready, job.compress),
                                     f"{d}/{fmt.shard_name(self.rank, plan.save_id, piece.index)}",
@@ -236,14 +246,21 @@ class Writer:
                     st.publish(f"{d}/{entry['file']}", data)
                     job.my_index = entry
                 job.my_files = files
+            except BaseException:
+                job.failed.set()  # (a capped pool's staging stops waiting for a buffer)
+                raise
             finally:
                 # after a failure: the writes under way end first (each bounded by the save's
                 # deadline; they release their own buffers), then the pieces still coming are
-                # taken, so a capped pool never leaves the training thread waiting for a buffer
+                # taken (bounded: staging stops once it sees job.failed)
                 wait_all([f for f, _, _ in pending], timeout=max(
                     [b - time.monotonic() for _, _, b in pending] + [0.0]))
-                while remaining:
-                    piece, buf, _, ready = job.pieces.get()
+                drain_until = time.monotonic() + DRAIN_S
+                while remaining and time.monotonic() < drain_until:
+                    try:
+                        piece, buf, _, ready = job.pieces.get(timeout=0.1)
+                    except queue.Empty:
+                        continue
                     remaining = 0 if piece is None else remaining - 1
                     if piece is not None:
                         self._release(buf, ready)
@@ -334,6 +351,18 @@ class Writer:
             return deadline + _handle.STUCK_SLACK_S
         return (time.monotonic() + 3 * self.options.commit_timeout_s + WRITE_STALL_S
                 + nbytes / MIN_WRITE_BPS + WRITE_GRACE_S + _handle.STUCK_SLACK_S)
+
+    def _next_piece(self, job: Job, pending: collections.deque, plan: SavePlan) -> tuple:
+        """(background) The next staged piece; while none comes, the oldest write under way
+        is held to its bound: a capped pool's buffers can all be held by writes that never
+        return, and staging then waits for one (before 2026-12-06 this wait had no end, nor
+        had staging's: a save on a hung mount never returned)."""
+        while True:
+            try:
+                return job.pieces.get(timeout=0.1)
+            except queue.Empty:
+                if pending and time.monotonic() >= pending[0][2]:
+                    self._result(pending[0], plan)  # (raises, unless it has just returned)
 
     def _result(self, pending: tuple, plan: SavePlan) -> dict:
         """A shard write's entries (raising its error), waited for until its bound
@@ -463,7 +492,7 @@ class Writer:
             for r, res in enumerate(results):
                 for f in res["files"]:
                     files[f["file"]] = {"rank": r, "size": f["size"]}
-            inline = _inline_chunks(tensors, results)
+            inline = idx.inline_chunks(tensors, results)
             results = []
         elif any(indexes):
             raise FastCkptError("ranks disagree on whether the save is indexed: rank(s) "
@@ -477,7 +506,7 @@ class Writer:
                 files[f["file"]] = {"rank": r, "size": f["size"]}
                 for c in f["chunks"]:
                     compressed = compressed or c.get("codec") is not None
-                    tensors[c["fqn"]]["chunks"].append(_chunk_entry(c, r, f["file"]))
+                    tensors[c["fqn"]]["chunks"].append(idx.chunk_entry(c, r, f["file"]))
         body = fmt.new_manifest_body(step=plan.step, world_size=plan.world_size,
                                      save_id=plan.save_id, files=files, tensors=tensors,
                                      trees=([trees[0]["tree"]] * len(trees)
@@ -568,27 +597,3 @@ class Writer:
 def _torch_version() -> str:
     import torch  # already imported by the engine; recorded in the manifest
     return str(torch.__version__)
-
-
-def _chunk_entry(c: dict, rank: int, file: str) -> dict:
-    """A manifest's chunk entry from a chunk of a rank's commit result."""
-    e = {"offsets": c["offsets"], "sizes": c["sizes"], "rank": rank, "file": file,
-         "offset": c["offset"], "length": c["length"], "checksum": c["checksum"]}
-    if c.get("codec") is not None:
-        e["codec"] = c["codec"]
-    return e
-
-
-def _inline_chunks(tensors: dict, results: list[dict]) -> dict[str, list]:
-    """(coordinator, an indexed save) The chunks the manifest lists itself (``inline``): those of
-    every tensor written once (not a DTensor, not per rank) whose chunks from the ranks'
-    results cover it exactly; each as the index entry plus its rank."""
-    out: dict[str, list] = {}
-    for r, res in enumerate(results):
-        for c in res.get("inline") or ():
-            m = tensors.get(c["fqn"])
-            if m is None or m.get("dtensor") or m.get("per_rank"):
-                continue
-            out.setdefault(c["fqn"], []).append(_chunk_entry(c, r, c["file"]))
-    return {fqn: cs for fqn, cs in out.items()
-            if sum(math.prod(c["sizes"]) for c in cs) == math.prod(tensors[fqn]["shape"])}

@@ -381,3 +381,26 @@ def check_listed(body: dict, sizes: dict, *, file: str, step_dir: str) -> None:
         f"the chunk index of rank {r} ({e['file']}) {what}{more}; the step is damaged (an "
         "older committed step still loads)", file=f"{step_dir}/{e['file']}" if got else file)
 
+
+def chunk_entry(c: dict, rank: int, file: str) -> dict:
+    """A manifest's chunk entry from a chunk of a rank's commit result."""
+    e = {"offsets": c["offsets"], "sizes": c["sizes"], "rank": rank, "file": file,
+         "offset": c["offset"], "length": c["length"], "checksum": c["checksum"]}
+    if c.get("codec") is not None:
+        e["codec"] = c["codec"]
+    return e
+
+
+def inline_chunks(tensors: dict, results: list[dict]) -> dict[str, list]:
+    """(coordinator, an indexed save) The chunks the manifest lists itself (``inline``): those of
+    every tensor written once (not a DTensor, not per rank) whose chunks from the ranks'
+    results cover it exactly; each as the index entry plus its rank."""
+    out: dict[str, list] = {}
+    for r, res in enumerate(results):
+        for c in res.get("inline") or ():
+            m = tensors.get(c["fqn"])
+            if m is None or m.get("dtensor") or m.get("per_rank"):
+                continue
+            out.setdefault(c["fqn"], []).append(chunk_entry(c, r, c["file"]))
+    return {fqn: cs for fqn, cs in out.items()
+            if sum(math.prod(c["sizes"]) for c in cs) == math.prod(tensors[fqn]["shape"])}

@@ -107,6 +107,9 @@ class _Pool:
                 _local.call = None
                 with self.lock:
                     self.busy.pop(id(call), None)
+                # (an idle thread keeps nothing of its last call: an error's traceback held
+                # the caller's frames, a save's state and engine, until the next call)
+                call = fut = fn = args = kw = None
 
     def oldest(self) -> _Call | None:
         with self.lock:
