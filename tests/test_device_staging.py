@@ -376,3 +376,26 @@ def test_blocking_save_of_device_tensors_uses_the_pinned_pool(root, sim):
     out = _blank(12)
     assert fastckpt.load(out, root) == 5
     _equal(out, st)
+
+
+def test_a_failure_ordering_the_caller_after_the_copies_fails_the_save(root, sim, monkeypatch):
+    """``end_save`` (the caller's stream waits for the copies) raising: the save raises and
+    nothing commits. Before 2026-12-06 an uncapped pool handed its pieces to the writer before
+    that call, so the save raised on the caller and committed in the background all the same
+    (its error queued after the last piece, where the writer never reads)."""
+    with fastckpt.Checkpointer(root) as ck:
+        cuda = sim()
+        ck.save(_state(1), step=1).wait()
+
+        def fails(stream, ev):
+            raise RuntimeError("simulated CUDA error ordering the caller's stream")
+        monkeypatch.setattr(cuda, "wait_event", fails)
+        with pytest.raises(RuntimeError, match="ordering the caller"):
+            ck.save(_state(2), step=2)
+        with pytest.raises(fastckpt.FastCkptError, match="staging failed"):
+            ck.wait()
+        assert ck.latest_step() == 1
+        monkeypatch.undo()
+    out = _blank()
+    assert fastckpt.load(out, root) == 1
+    _equal(out, _state(1))

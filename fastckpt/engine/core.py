@@ -474,10 +474,10 @@ class Engine:
                     staged.append((piece, buf, hashes, ready))
             if copies:  # (None: a capped pool copied each piece as it went)
                 copy_all(self.storage.io, copies, copy_threads(self.options.copy_threads))
+            if stager is not None:  # the caller's later kernels run after the copies (before
+                stager.end_save()  # the hand-over: a failure here fails this save everywhere)
             for item in staged:
                 job.pieces.put(item)
-            if stager is not None:  # the caller's later kernels run after the copies
-                stager.end_save()
         except BaseException as e:
             job.pieces.put((None, e, None, None))  # the writer fails this save on every rank
             if stager is not None:  # no copy may still write a buffer the pool hands out
