@@ -126,7 +126,10 @@ class FastCkptCallback(TrainerCallback):
         self._trainer: Any = None
         self._ck: Checkpointer | None = None
         self._last_saved: int | None = None
-        self._saved: set[int] = set()  # steps saved under root (this run, or found on resume)
+        self._saved: set[int] = set()  # steps saved under root by this run
+        #: committed steps found under root on resume, listed at the first save that needs
+        #: them (not in the restart's critical path: every manifest is read); None: not yet
+        self._found: set[int] | None = set()
         self._best_saved: int | None = None  # the best step that has a checkpoint
         self._epoch_save: int | None = None  # an ``every`` step that ends an epoch
         self._resume_dir: str | None = None
@@ -204,7 +207,7 @@ class FastCkptCallback(TrainerCallback):
             step = self.checkpointer.load(self._state("", loading=True), step=self._resume_step)
             log.info("fastckpt.hf: loaded step %d (model, optimizer, scheduler)", step)
         self._last_saved = self._resume_step if self._armed else None
-        self._saved = set(self.checkpointer.steps()) if self._armed else set()
+        self._saved, self._found = set(), None if self._armed else set()
         self._best_saved = self._resume_best if self._armed else None
         return control
 
@@ -250,7 +253,11 @@ class FastCkptCallback(TrainerCallback):
         # retention keeps the best step that has a checkpoint, as the Trainer's rotation keeps
         # best_model_checkpoint: moved to the best step only when that step is saved (before
         # 2026-12-06 a best step that was never saved was kept, and the saved best removed)
-        if best is not None and (best == step or best in self._saved):
+        if best is not None and best != self._best_saved and best != step \
+                and best not in self._saved and self._found is None:
+            self._found = set(ck.steps())
+        if best is not None and (best == step or best in self._saved
+                                 or best in (self._found or ())):
             self._best_saved = best
         text = self._trainer_state_json(trainer, trial)
         ck.keep_steps({self._best_saved} if self._best_saved is not None else set())
