@@ -70,7 +70,8 @@ def resume(root: str, cmd: tuple[str, ...], as_json: bool, do_verify: bool, quie
     manifest. Newer steps whose manifest is damaged are skipped, each named in a warning on
     stderr; if every manifest is damaged, nothing runs (exit 1). A local ROOT with a remote
     tier (Checkpointer(ROOT, remote=URL)) gives the newest step of either tier, the local one
-    when both have it; PATH is then a step of ROOT or of URL ("tier" in --json).
+    when both have it, the remote one when every local manifest is damaged; PATH is then a
+    step of ROOT or of URL ("tier" in --json).
     """
     _set_json(as_json and not cmd)
     if requeue and not supervise:
@@ -179,13 +180,16 @@ def resume(root: str, cmd: tuple[str, ...], as_json: bool, do_verify: bool, quie
 
 def _newest_of_tiers(storage: Any, skipped: list) -> tuple[tuple, Any, str]:
     """(step, dir, body), storage and tier of the newest committed step of a root and of the
-    remote tier it names, the local one on a tie (what a tiered resume loads)."""
+    remote tier it names, the local one on a tie (what a tiered resume loads); every local
+    manifest damaged: "no local step" if the remote tier has one (before 2026-12-06: exit 1)."""
     from ..tools import newest_committed, remote_tier
-    local = None
+    local = damaged = None
     try:
         local = newest_committed(storage, skipped=skipped)
     except CheckpointNotFoundError:
         pass
+    except CorruptCheckpointError as e:  # (raised below unless the remote tier has a step,
+        damaged = e                      # as the engine's resume loads it)
     tier = "local" if storage.is_local else "remote"
     remote = remote_tier(storage)
     if remote is not None:
@@ -200,7 +204,10 @@ def _newest_of_tiers(storage: Any, skipped: list) -> tuple[tuple, Any, str]:
                            "step is unknown", EXIT_STORAGE,
                            hint="retry when the store answers") from None
         if other is not None and (local is None or other[0] > local[0]):
+            skipped.extend([damaged] if damaged is not None else [])  # (warned of)
             return other, remote[1], "remote"
+    if damaged is not None:
+        raise damaged
     if local is None:
         raise CheckpointNotFoundError("no committed checkpoint")
     return local, storage, tier

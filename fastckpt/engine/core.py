@@ -294,12 +294,9 @@ class Engine:
         job = Job(plan, handle, step_dir, user_meta=user_meta, t0=t0, deadline=deadline,
                   compress=compress, owner=self)
         handle.compression = self._compression.last
-        if self._tier is not None and deadline is None:  # (emergency saves: the trigger's call)
-            job.upload = self._upload_next
-            handle.remote_state = "pending" if job.upload else "deferred"
-            if not job.upload and self.rank == 0:
-                self._tier.expect(job)
-            if not job.upload:
+        if self._tier is not None:  # "pending" or "deferred" (emergency saves: the trigger's)
+            self._tier.planned(job, self._upload_next)  # (ends the plan's reservation)
+            if job.deadline is None and not job.upload:
                 log.info("fastckpt: step %d: uploaded once the upload of an earlier step is "
                          "over, unless a newer step replaces it", step)
         self._last, self._last_job = handle, job
@@ -369,7 +366,8 @@ class Engine:
             local_exc = e
             error = (str(e) if isinstance(e, (UnsupportedStateError, ValueError, TypeError))
                      else f"{type(e).__name__}: {e}")
-        busy = self._tier.busy if self._tier is not None else False
+        # (the coordinator's busy and, if so, the reservation of the step: one step, see tiering)
+        busy = self._tier.reserve() if self._tier is not None else False
         what = f"save of step {step}: the plan exchange"
         # the skeleton's hash: when every rank's is rank 0's, only rank 0 sends its skeleton
         # to the coordinator with its commit result (under FSDP they are all alike)
@@ -575,8 +573,8 @@ class Engine:
             pass
         last = self._last
         stuck = self._writer.close_for(last)  # (a StorageError: a write that does not return)
-        if self._tier is not None:  # the queued uploads, each bounded by its deadline
-            self._tier.close()
+        if self._tier is not None:  # the queued uploads, each bounded (a StorageError: stuck)
+            stuck = self._tier.close(stuck)
         if self._lease is not None:  # after the last commit
             self._lease.release()
             self._lease = None

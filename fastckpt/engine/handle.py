@@ -45,6 +45,9 @@ class SaveHandle:
         self._remote_done = threading.Event()
         self._remote_exc: BaseException | None = None
         self._remote_reported = False
+        #: (``time.monotonic()``) when ``wait_remote()`` without a timeout stops with a
+        #: StorageError: the tier sets it from the upload's deadlines (engine/tiering.py)
+        self.remote_bound: float | None = None
         #: whether this save compressed and why (``compression="auto"``: the measurement)
         self.compression: dict = {}
 
@@ -101,13 +104,28 @@ class SaveHandle:
         return self._exc
 
     def wait_remote(self, timeout: float | None = None) -> "SaveHandle":
-        """Block until the step is committed on the remote tier too; raise the upload's
-        failure. Returns at once when there is no remote tier, and once a deferred step is
-        replaced by a newer one (``remote_state`` None or "skipped")."""
+        """Block until the step is committed on the remote tier too, or ``timeout`` seconds
+        (TimeoutError); raise the upload's failure. Returns at once when there is no remote
+        tier, and once a deferred step is replaced by a newer one (``remote_state`` None or
+        "skipped"). Without a timeout the wait still ends at the upload's bound
+        (``remote_bound``, moved on when the upload begins): a StorageError saying it is
+        stuck (before 2026-12-06 it waited for good)."""
         if self.remote_state is None:
             return self
-        if not self._remote_done.wait(timeout):
-            raise TimeoutError(f"upload of step {self.step} still running after {timeout}s")
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self._remote_done.is_set():
+            until = end if end is not None else self.remote_bound
+            left = None if until is None else until - time.monotonic()
+            if left is not None and left <= 0:
+                if end is not None:
+                    raise TimeoutError(f"upload of step {self.step} still running after "
+                                       f"{timeout}s")
+                raise StorageError(
+                    f"the upload of step {self.step} to the remote tier ({self.remote_state}) "
+                    "is still running past its deadlines (each bounded by commit_timeout_s): "
+                    "a call is stuck (a hung mount or store?); the step is committed locally",
+                    file=self.path)
+            self._remote_done.wait(None if left is None else min(left, 1.0))
         if self._remote_exc is not None:
             self._remote_reported = True
             raise self._remote_exc
@@ -117,8 +135,9 @@ class SaveHandle:
     def remote_committed(self) -> bool:
         return self.remote_state == "committed"
 
-    def _remote_begin(self) -> None:
+    def _remote_begin(self, bound: float | None = None) -> None:
         self.remote_state = "pending"
+        self.remote_bound = bound if bound is not None else self.remote_bound
         self._remote_done.clear()
 
     def _remote_finish(self, exc: BaseException | None) -> None:

@@ -9,7 +9,8 @@ Call sequence of one upload (``Tier``; "uploader": one background thread per Che
    uploader is still busy with an earlier step (it names every chained step, and is idle only
    once the others' uploads of the last one are over); if not, the step is uploaded once it
    is committed locally, else it is *deferred* (``SaveHandle.remote_state == "deferred"``)
-   and rank 0 expects it (``expect``). No local save ever waits for an upload.
+   and rank 0 expects it. Reading busy and expecting the step are one step under the tier's
+   lock (``reserve``, then ``planned``). No local save ever waits for an upload.
 2. (all ranks, writer thread, after the local commit) the step goes to the uploader: this
    rank's files (names, sizes, chunk offsets and checksums) and, on the coordinator, the
    manifest's bytes; a deferred step replaces the previous deferred one (which is then
@@ -23,13 +24,13 @@ Call sequence of one upload (``Tier``; "uploader": one background thread per Che
    deadline (``commit_timeout_s``; an emergency upload: the grace deadline): (coordinator)
    one listing checks every file the manifest names is in the remote step directory, then
    the same manifest bytes on the remote root, by a conditional PUT; every rank learns the
-   outcome. A failed upload removes this rank's remote files (bounded); nothing is visible
-   remotely without the manifest.
+   outcome. A failed upload removes the remote files this attempt wrote (bounded), never one
+   a committed remote manifest names; nothing is visible remotely without the manifest.
 5. (coordinator) the remote ``latest`` hint, leftovers of earlier attempts, retention with
    ``remote_keep_last`` (an emergency upload removes nothing, as an emergency save; partial
    steps only below this one: the other ranks do not wait for this, and a newer partial step
    may be their emergency upload in flight), then local retention of committed steps that
-   were kept only for their upload.
+   were kept only for their upload; each on a bounded view (a hung mount cannot hold it).
 6. The handle's remote completion is set: committed, or failed (``wait_remote()`` raises).
 7. (all ranks, uploader) the chain: (coordinator) names the newest deferred step under
    ``<save_id>.chain`` (or none, once no step it expects is still being written locally);
@@ -46,6 +47,9 @@ missing shard) is loaded from the remote tier instead, and a step damaged in eve
 holds it makes a resume load the newest older step of either tier (3 steps back at most).
 ``last_load`` says which tier it came from. A tier that could not be listed fails the resume
 by name (the newest step is unknown).
+
+``close()`` waits for the uploader until the last upload's bound, then raises a StorageError
+naming the call that holds it. A remote root in or above the local root is refused.
 
 Limits: the local root is one file system every rank of the job sees (one node's NVMe, or a
 shared file system), as for an untiered root. Node-local disks of a multi-node job are not a
@@ -68,9 +72,13 @@ from typing import Any
 from ..errors import CorruptCheckpointError, FastCkptError, StorageError
 from ..lease import WriterLease
 from ..manifest import schema as fmt
+from ..manifest.discovery import read_manifest
 from ..retention import apply_retention
 from ..storage import Storage
+from . import handle as _handle
 from .commit import commit, publish_checked
+from .tierload import (check_apart, check_present, drop_cache, manifest_names, named_files,
+                       run_parts)
 
 log = logging.getLogger("fastckpt")
 #: how long a rank waits at a time for the coordinator's choice of the next upload (it
@@ -80,6 +88,7 @@ CHAIN_SLICE_S = 0.25
 #: the record in the local root that names its remote tier (no credentials): for the CLI
 TIERS_FILE = fmt.TIERS
 DISCARD_S = 10.0
+CLOSE_MIN_S = 5.0  # close(): the least wait for the uploader thread
 DEFERRED_KEPT = 4  # deferred steps kept per rank for the chain
 _SENTINEL = object()
 
@@ -99,7 +108,8 @@ class Upload:
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     seconds: float = 0.0
-    started: float = 0.0  # monotonic, when its first file began
+    started: float = 0.0  # monotonic, when its first file began (after the lease)
+    written: list = field(default_factory=list)  # the files this attempt began to write
 
 
 def remote_display(url: str) -> str:
@@ -115,6 +125,7 @@ class Tier:
     """The remote tier of one engine (``Checkpointer(local, remote=url)``)."""
 
     def __init__(self, engine: Any, remote: Storage, url: str) -> None:
+        check_apart(engine.storage, remote)
         self.engine = engine
         self.storage = remote
         self.url = url
@@ -134,6 +145,11 @@ class Tier:
         #: (coordinator) Jobs planned as deferred, not yet committed locally: the chain waits
         #: for them (a chain that ended before such a step committed would leave it behind)
         self._expected: list = []
+        #: (coordinator) the plan found the uploader busy, its save not yet ``planned``
+        self._reserved = False
+        self._newest: Any = None  # the handle of the last save planned
+        self._bound = 0.0  # monotonic: the latest bound of an upload handed out (close())
+        self._doing = ("", "")  # (what, path): the uploader's current call, for close()
         self._thread: threading.Thread | None = None
         self._lease: WriterLease | None = None
         self._recorded = False
@@ -181,11 +197,35 @@ class Tier:
         except StorageError as e:
             log.warning("fastckpt: could not record the remote tier in %s: %s", st.root, e)
 
-    def expect(self, job: Any) -> None:
-        """(coordinator, training thread) A save planned as deferred: until it is committed
-        (``defer``) or has failed, the chain does not end without it."""
+    def reserve(self) -> bool:
+        """(the plan exchange) Whether the uploader is busy; if so, the chain does not end
+        before the save is ``planned`` (before 2026-12-06 the deferred step was expected only
+        after the staging's set-up: a chain that ended in between left it "deferred" for
+        good). A save that fails first: the next plan, ``close()`` or the chain's bound."""
         with self._lock:
-            self._expected = [j for j in self._expected if not j.handle.done()] + [job]
+            self._reserved = self._pending > 0
+            return self._reserved
+
+    def planned(self, job: Any, upload: bool) -> None:
+        """(training thread) The plan's verdict: "pending" or "deferred" (then the coordinator
+        expects it: until it is committed, ``defer``, or failed, the chain waits for it); the
+        reservation is dropped. An emergency save's upload is the trigger's (``submit``)."""
+        h, mine = job.handle, job.deadline is None
+        if mine:
+            job.upload, h.remote_state = upload, "pending" if upload else "deferred"
+            h.remote_bound = (h.bound or time.monotonic()) + (1 if upload else 2) * self.allow()
+        with self._lock:
+            self._reserved = False
+            if mine and not upload and self.rank == 0:
+                self._expected = [j for j in self._expected if not j.handle.done()] + [job]
+            if mine:
+                self._newest, self._bound = h, max(self._bound, h.remote_bound)
+            self._lock.notify_all()
+
+    def allow(self) -> float:
+        """The longest one upload runs once begun (a call left to its thread aside): files and
+        commit, housekeeping (2 roots) or discard, the chain's choice, a save's slack."""
+        return 4 * self.engine.options.commit_timeout_s + DISCARD_S + _handle.STUCK_SLACK_S
 
     def defer(self, job: Any) -> None:
         """(writer thread) A committed local save whose plan found an uploader busy: a
@@ -209,7 +249,7 @@ class Tier:
                 ids = [j.plan.save_id for j in self._deferred]
                 if save_id is None:  # (a failed save's handle is done without a defer)
                     self._expected = [j for j in self._expected if not j.handle.done()]
-                    ready = bool(ids) or not self._expected or self.frozen
+                    ready = bool(ids) or not (self._expected or self._reserved) or self.frozen
                 else:
                     ready = save_id in ids
                 if ready:
@@ -227,7 +267,11 @@ class Tier:
         return job
 
     def _upload_of(self, job: Any, deadline: float | None) -> Upload:
-        job.handle._remote_begin()
+        bound = (time.monotonic() + self.allow() if deadline is None
+                 else deadline + DISCARD_S + _handle.STUCK_SLACK_S)
+        job.handle._remote_begin(bound)
+        with self._lock:
+            self._bound = max(self._bound, bound)
         files = list(job.my_files)
         if job.my_index is not None:  # format 4: this rank's chunk index goes up with its
             # shards, checked like one chunk (its checksum: xxh3-64 of all its bytes)
@@ -268,16 +312,35 @@ class Tier:
             cur.cancel.set()
         return cur
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> BaseException | None:
         """Finish the queued uploads (each bounded by its deadline), stop the thread, release
-        the remote lease."""
-        if self._thread is not None:
+        the remote lease; ``error`` (the writer's), else a StorageError naming the call that
+        holds the uploader past the last upload's bound (before 2026-12-06: joined without
+        one, a hung mount held ``close()`` for good). Warns of an unseen failed newest upload."""
+        with self._lock:
+            self._reserved = False  # (a save that failed after its plan: nothing comes)
+            self._lock.notify_all()
+        th, stuck, t0 = self._thread, None, time.monotonic()
+        if th is not None:
             self._queue.put(_SENTINEL)
-            self._thread.join()
+            while th.is_alive() and time.monotonic() < max(self._bound, t0 + CLOSE_MIN_S):
+                th.join(min(max(self._bound, t0 + CLOSE_MIN_S) - time.monotonic(), 1.0))
+            if th.is_alive():
+                stuck = StorageError(
+                    f"closing: the uploader is still {self._doing[0] or 'running'} past its "
+                    "bound (a hung mount or store?); the steps committed before are untouched, "
+                    "the remote lease is released, the thread runs until the call returns",
+                    rank=self.rank, file=self._doing[1] or None)
             self._thread = None
         if self._lease is not None:
             self._lease.release()
             self._lease = None
+        h = self._newest
+        if h is not None and h.remote_state == "failed" and not h._remote_reported:
+            log.warning("fastckpt: rank %d: closing: the upload of step %d, the newest, to %s "
+                        "failed (%s); it is on the local tier only", self.rank, h.step,
+                        remote_display(self.url), h._remote_exc)
+        return error if error is not None else stuck
 
     # -- the uploader thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -301,6 +364,7 @@ class Tier:
 
     def _one(self, up: Upload) -> None:
         self._current = up
+        self._doing = (f"uploading step {up.step}", remote_display(self.url))
         t0 = up.started = time.monotonic()
         try:
             self._upload(up)
@@ -319,6 +383,7 @@ class Tier:
         ex = self.engine.group.exchange
         key = f"{done.save_id}.chain"
         until = time.monotonic() + self.engine.options.commit_timeout_s
+        self._doing, job = (f"choosing the upload after step {done.step}", ""), None
         try:
             if self.rank == 0:
                 job = self._take_deferred(None, until)
@@ -344,6 +409,8 @@ class Tier:
                                 "next (save %s) is not committed here", self.rank, save_id)
         except Exception as e:  # noqa: BLE001 - a store gone: no chain; saves go on
             log.warning("fastckpt: rank %d: choosing the next upload failed: %s", self.rank, e)
+            if job is not None:  # (taken: failed, not "deferred" for good)
+                job.handle._remote_finish(e)
             return None
         return None if job is None else self._upload_of(job, None)
 
@@ -362,10 +429,14 @@ class Tier:
             if self.rank == 0 and self._lease is None:
                 self._lease = WriterLease(self.storage, ttl_s=opts.lease_ttl_s,
                                           renew_s=opts.lease_ttl_s / 4).acquire()
+            # the bandwidth sample leaves the lease's wait out (before 2026-12-06 it counted:
+            # up to lease_ttl_s for a dead holder's lease; the budget then skipped uploads)
+            t0 = up.started = time.monotonic()
             st.makedirs(d)
             for f in up.files:
                 if up.cancel.is_set():
                     raise FastCkptError(f"upload of step {up.step} was superseded (preemption)")
+                up.written.append(f["file"])
                 self._upload_file(st, up, f, f"{d}/{f['file']}")
                 nbytes += int(f["size"])
             result = {"ok": True}
@@ -396,6 +467,7 @@ class Tier:
     def _upload_file(self, st: Storage, up: Upload, f: dict, dest: str) -> None:
         """One local shard file to ``dest``: mapped, uploaded, its chunks checked."""
         src = f"{up.local_dir}/{f['file']}"
+        self._doing = (f"uploading step {up.step}'s file", src)
         size = int(f["size"])
         chunks = f["chunks"]
         ranges = [(int(c["offset"]), int(c["length"])) for c in chunks]
@@ -432,7 +504,7 @@ class Tier:
                 mm.close()
             except BufferError:  # a view still held by the HTTP client's objects: freed with
                 pass             # them (the file's fd is closed already)
-            _drop_cache(src)
+            drop_cache(src)
 
     def _publish(self, up: Upload, st: Storage, d: str) -> dict:
         """(coordinator) The commit point of the remote tier: the local manifest's bytes."""
@@ -440,18 +512,22 @@ class Tier:
             self._lease.check()
         if up.manifest is None:
             raise FastCkptError(f"step {up.step}: the coordinator has no manifest to upload")
-        _check_present(st, d, up)
+        check_present(st, d, up)
         publish_checked(st, self.storage, f"{d}/{fmt.MANIFEST}", up.manifest, up.save_id,
                         step=up.step)
         return {"step": up.step}
 
     def _housekeep(self, up: Upload, d: str) -> None:
-        st = self.storage
-        parts = [("updating the remote latest hint", lambda: st.publish(
+        """(coordinator) Step 5, on bounded views (``commit_timeout_s`` for each root; an
+        emergency upload: its deadline). Before 2026-12-06 on the storages themselves: a local
+        mount that stopped answering held the uploader, wait_remote() and close() for good."""
+        kept = self.engine._writer.keep
+        parts = [("updating the remote latest hint", lambda st: st.publish(
             st.join(fmt.LATEST), json.dumps({"step": up.step}).encode(), durable=False))]
+        local: list = []
         if up.deadline is None:
-            def leftovers() -> None:
-                keep = {f["file"] for f in up.files} | {fmt.MANIFEST} | _named_files(up)
+            def leftovers(st: Storage) -> None:
+                keep = {f["file"] for f in up.files} | {fmt.MANIFEST} | named_files(up)
                 for n in st.listdir(d):
                     if n not in keep:
                         st.remove(f"{d}/{n}")
@@ -461,26 +537,40 @@ class Tier:
             # emergency step already (CI caught its files removed, the step committed without)
             # keep_steps (an integration's: the Trainer's best step) holds on both tiers
             # (before 2026-12-06 both tiers' retention here removed it)
-            kept = self.engine._writer.keep
-            parts.append(("remote retention", lambda: apply_retention(
+            parts.append(("remote retention", lambda st: apply_retention(
                 st, self.keep_last, protect={up.step} | kept, force_partial=True,
                 partial_below=up.step)))
             # the local steps kept for their upload (retention of the saves since protected
             # them); committed ones only: a save may be writing a partial step right now
-            parts.append(("local retention", lambda: apply_retention(
-                self.engine.storage, self.engine.options.keep_last,
+            local.append(("local retention", lambda st: apply_retention(
+                st, self.engine.options.keep_last,
                 protect=(self.protected() - {up.step}) | kept, committed_only=True)))
-        for what, fn in parts:
-            try:
-                fn()
-            except Exception as e:  # noqa: BLE001 - committed: the next upload or gc finishes
-                log.warning("fastckpt: step %d committed remotely, but %s failed: %s",
-                            up.step, what, e)
+        for storage, ps in [(self.storage, parts)] + ([(self.engine.storage, local)]
+                                                      if local else []):
+            end = time.monotonic() + self.engine.options.commit_timeout_s
+            st = storage.bounded(end if up.deadline is None else min(end, up.deadline))
+            self._doing = (f"the housekeeping after step {up.step}'s upload", storage.root)
+            try:  # (one hand-off for all, as the writer's)
+                st.run(self._doing[0], run_parts, up.step, st, ps)
+            except Exception as e:  # noqa: BLE001 - (its bound passed: a storage that hangs)
+                log.warning("fastckpt: step %d committed remotely, but its housekeeping on %s "
+                            "failed: %s", up.step, storage.root, e)
 
     def _discard(self, up: Upload, d: str) -> None:
+        """(a failed upload) Remove the remote files this attempt began to write, never one a
+        committed remote manifest names (an emergency upload of a save uploaded already
+        writes its names; before 2026-12-06 every file of the save went, the committed step's
+        shards with them); its manifest unreadable: all kept (gc removes them)."""
         st = self.storage.bounded(time.monotonic() + DISCARD_S)
-        for f in up.files:
-            self._remove(st, f"{d}/{f['file']}")
+        try:
+            body = read_manifest(st, d, step=up.step, chunks=False) if up.written else None
+        except CorruptCheckpointError:
+            body = None  # (not a step: nothing loads it)
+        except Exception as e:  # noqa: BLE001 - unknown: keep them
+            log.warning("fastckpt: step %d's remote files are kept: %s", up.step, e)
+            return
+        for n in set(up.written) - (set() if body is None else manifest_names(body)):
+            self._remove(st, f"{d}/{n}")
 
     @staticmethod
     def _remove(st: Storage, path: str) -> None:
@@ -504,42 +594,4 @@ def _skipped(job: Any) -> None:
     job.handle._remote_done.set()
 
 
-def _named_files(up: Upload) -> set[str]:
-    """(coordinator) The shard and index files the upload's manifest names: the set the local
-    commit built (parsing a large manifest again costs seconds), else from its bytes."""
-    if up.named:
-        return set(up.named)
-    body = json.loads(up.manifest or b"{}").get("body", {})
-    return set(body.get("files", {})) | {i.get("file") for i in body.get("indexes", [])}
-
-
-def _check_present(st: Storage, d: str, up: Upload) -> None:
-    """(coordinator, before the remote manifest) Every file the manifest names is in the
-    remote step directory (one listing: a LIST per 1000 names): a file removed since its
-    upload would commit a step that does not load, on the tier a restart may have alone. A
-    listing that lags the writes fails the upload; the local commit stands."""
-    names = set(st.listdir(d))
-    missing = sorted(_named_files(up) - names)
-    if missing:
-        raise CorruptCheckpointError(
-            f"step {up.step}: {len(missing)} file(s) the manifest names are not in the remote "
-            f"step directory after the upload ({', '.join(missing[:4])}"
-            f"{', ...' if len(missing) > 4 else ''}): the remote manifest is not published",
-            file=d)
-
-
-def _drop_cache(path: str) -> None:
-    """Drop the uploaded file's pages from the page cache (they were read only to upload)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    except (OSError, AttributeError):
-        pass
-    finally:
-        os.close(fd)
-
-
-__all__ = ["Tier", "Upload", "TIERS_FILE", "remote_display"]
+__all__ = ["Tier", "Upload", "TIERS_FILE", "check_apart", "remote_display"]

@@ -128,7 +128,8 @@ def decide_remote(reports: list[dict], decision: str, nums: dict, margin: float,
     left = nums["left_s"]
     est, infl_left, piece = nums["est_save_s"], nums["inflight_left_s"], nums["inflight_piece_s"]
     # "committed": the stop's step was committed already (a save at this step waited for):
-    # nothing to do locally, its upload may still be needed (before 2026-12-06 it never was)
+    # nothing to do locally, its upload may still be needed (before 2026-12-06 it never was),
+    # unless a rank reports it committed remotely (``up_committed_step``): "skip"
     local_s = {"save": est, "wait_then_save": infl_left + est, "supersede": piece + est,
                "wait": infl_left, "committed": 0.0}.get(decision)
     up_s = max(r.get("up_est_s", 0.0) for r in reports)
@@ -142,6 +143,9 @@ def decide_remote(reports: list[dict], decision: str, nums: dict, margin: float,
             and up_left <= left):  # (its own upload is under way: let it end)
         return "finish", decision, (f"the upload of step {max(ups)} in flight fits "
                                     f"({up_left:.2f} s of {left:.2f} s)")
+    if decision == "committed" and step is not None and any(
+            r.get("up_committed_step") == step for r in reports):  # (the commit is collective)
+        return "skip", decision, f"step {step} is committed on the remote tier already"
     start = max(local_s, up_piece if ups else 0.0) if local_s is not None else None
     if start is not None and start + up_s <= left:
         return "upload", decision, (

@@ -14,8 +14,9 @@ Call sequence inside ``Preemption._emergency`` (every rank; see trigger.py):
    (its bandwidth goes to the new step); for "finish" it goes on.
 5. ``after_save``: "upload": the checkpoint of this stop (the emergency save, or the in-flight
    save the local decision waited for) is uploaded and committed remotely under the deadline
-   (collective: every rank calls it); "finish": wait for the upload in flight until the
-   deadline; "skip": nothing. Each outcome is an event in the rank's log.
+   (collective: every rank calls it), unless its upload committed already (``decide_remote``
+   says "skip" then: each rank reports ``up_committed_step``); "finish": wait for the upload
+   in flight until the deadline; "skip": nothing. Each outcome is an event in the rank's log.
 """
 
 from __future__ import annotations
@@ -45,10 +46,13 @@ def report(ckpt: Any, nbytes: int, assumed_upload_mibps: float) -> dict:
     if tier is None:
         return {}
     record = budget.bench_record(getattr(ckpt, "root", "")) or {}
-    return budget.estimate_remote(nbytes=nbytes, measured_bps=tier.bytes_per_s(),
-                                  record_bps=record.get("upload"),
-                                  assumed_bps=assumed_upload_mibps * (1 << 20),
-                                  inflight=tier.current())
+    done = getattr(ckpt, "last_committed", lambda: None)()  # (its upload may be committed)
+    return dict(budget.estimate_remote(nbytes=nbytes, measured_bps=tier.bytes_per_s(),
+                                       record_bps=record.get("upload"),
+                                       assumed_bps=assumed_upload_mibps * (1 << 20),
+                                       inflight=tier.current()),
+                up_committed_step=done.step if done is not None and
+                getattr(done, "remote_state", None) == "committed" else None)
 
 
 def reduce(ckpt: Any, reports: list, decision: str, nums: dict, margin: float,
@@ -85,7 +89,11 @@ def after_save(ckpt: Any, nums: dict, target: Any, deadline: float, event: Any,
         return
     t0 = time.monotonic()
     try:
-        if remote == "upload" and target is not None and target.committed:
+        if remote == "upload" and getattr(target, "remote_state", None) == "committed":
+            # its upload committed already: never again (before 2026-12-06 it was, and a
+            # failed second upload removed the files of the committed remote step)
+            event("upload_skipped", step=target.step, why="committed on the remote tier")
+        elif remote == "upload" and target is not None and target.committed:
             event("upload_start", step=target.step)
             up = ckpt.upload(target, deadline)
             done = up.done.wait(max(0.0, deadline - time.monotonic()))
