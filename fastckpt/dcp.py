@@ -231,10 +231,14 @@ class Writer(StorageWriter):
                         f"{type(planner).__name__} cannot hand over plain values unpickled "
                         "(use DCP's DefaultSavePlanner)", key=fqn)
                 value = lookup(item.index)
-                if _holds_tensor(value):
+                if _holds_tensor(value):  # (fastckpt stores no pickle)
                     raise UnsupportedStateError(
-                        f"a tensor inside a {type(value).__name__}: DCP hands such a value over "
-                        "whole, to be pickled; use a list or a dict", key=fqn)
+                        f"a tensor inside a {type(value).__name__}, which DCP's planner did not "
+                        "flatten and hands over whole, to be pickled: " + (
+                            "save with flatten_state_dict=True (DefaultSavePlanner's default)"
+                            if isinstance(value, (dict, list)) else
+                            "DCP flattens dicts and lists only: hold the tensors in a list"),
+                        key=fqn)
                 results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data={
                     "value": encode_value(value, (fqn,))}))
                 continue
@@ -345,12 +349,17 @@ class Reader(FastCkptReader):
             super().__init__(root, step, **kwargs)
 
     def reset(self, checkpoint_id: Any = None) -> None:
+        """DCP's call before each load: ``checkpoint_id`` or the reader's own root; a root
+        without a step means the newest committed step at this load (before 2026-12-06 the
+        step found when the reader was made: a reused reader loaded an older step)."""
         if checkpoint_id is not None:
             root, step = split_checkpoint_id(checkpoint_id)
             kwargs = dict(self._lazy[2])
             super().__init__(root, step if step is not None else self._lazy[1], **kwargs)
         elif self._lazy[0] is None:
             raise ValueError("fastckpt.dcp.Reader needs a root: Reader(root) or checkpoint_id")
+        elif self._lazy[1] is None:
+            super().__init__(self._lazy[0], None, **self._lazy[2])
         else:
             super().reset()
 

@@ -258,3 +258,34 @@ def test_a_step_that_gc_removes_while_it_is_saved_again_is_never_committed(tmp_p
     got = {"w": torch.zeros(4096)}
     assert fastckpt.load(got, root) == 4 and torch.equal(got["w"], torch.full((4096,), 4.0))
     shutil.rmtree(root)
+
+
+@pytest.mark.parametrize("age", ["over", "running"])
+def test_gc_removes_what_a_dead_save_of_a_committed_step_left(tmp_path, capsys, age):
+    """A save of a committed step again that was killed (or a ``dcp.save`` attempt that failed)
+    leaves its shard, its index and its in-flight marker in the committed step, named by no
+    manifest. Before 2026-12-06 gc and retention left them for good (every killed re-save
+    kept a copy of the rank's state); now they are leftovers once the save is over (its
+    marker older than the grace), and a save of the step running now keeps them."""
+    import time
+    root = str(tmp_path)
+    st = _steps(root, [1])
+    d = os.path.join(root, fmt.step_dirname(1))
+    dead = "deadbeef0001"
+    began = time.time() - (7200 if age == "over" else 10)
+    debris = [fmt.shard_name(0, dead, 0), fmt.shard_name(1, dead, 2), f"r00000-{dead}.fci",
+              f"{fmt.INFLIGHT_PREFIX}{dead}"]
+    for n in debris[:3]:
+        with open(os.path.join(d, n), "wb") as f:
+            f.write(b"\0" * 4096)
+    with open(os.path.join(d, debris[3]), "w") as f:
+        json.dump({"save_id": dead, "created_unix": began, "host": "h", "pid": 1}, f)
+    rc, out, _ = call("gc", root, "--yes", "--json", capsys=capsys)
+    assert rc == 0, out
+    left = set(os.listdir(d))
+    if age == "over":
+        assert not left & set(debris), sorted(left)
+    else:
+        assert set(debris) <= left, sorted(left)
+    got = {"w": torch.zeros(100)}
+    assert fastckpt.load(got, root) == 1 and torch.equal(got["w"], st["w"])

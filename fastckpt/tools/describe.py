@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -11,7 +12,7 @@ from ..errors import CorruptCheckpointError, StorageError, StorageTimeoutError
 from ..manifest import schema as fmt
 from ..manifest.discovery import (find_step, list_steps, marker_time, read_manifest,
                                   read_small_json, root_hint)
-from ..manifest.index import check_listed
+from ..manifest.index import INDEX_SUFFIX, check_listed
 from ..retention import INFLIGHT_GRACE_S
 from ..storage import Storage, open_storage
 from ..storage.bounded import CALL_S
@@ -205,6 +206,8 @@ def _describe_one(storage: Storage, step: int, d: str, now: float, grace: float,
             rec.inflight_since = t if rec.inflight_since is None else max(rec.inflight_since, t)
         elif ".tmp-" in n and (mtime is None or now - mtime >= grace):
             rec.leftovers.append(n)  # a temporary file of an interrupted publish
+    if committed_sid is not None:
+        rec.leftovers += _dead_attempts(storage, d, ents, body, committed_sid, now, grace)
     if body is not None and indexes == "read":  # (gc's kept steps: as a load needs them)
         for name, f in sorted(body["files"].items()):
             size, _ = ents.get(name, (None, None))
@@ -295,3 +298,33 @@ def not_found_hint(storage: Storage) -> str:
     for r in recs:
         states[r.state] = states.get(r.state, 0) + 1
     return ", ".join(f"{n} {s}" for s, n in sorted(states.items()))
+
+
+#: a shard or index file of a save (its save id in group 1)
+_ATTEMPT_RE = re.compile(r"r[0-9]{5,}-([A-Za-z0-9_-]{1,64})(?:-[0-9]{3,}"
+                         + re.escape(fmt.SHARD_SUFFIX) + "|" + re.escape(INDEX_SUFFIX) + ")")
+
+
+def _dead_attempts(storage: Storage, d: str, ents: dict, body: dict, sid: str, now: float,
+                   grace: float) -> list[str]:
+    """The names in a committed step that other saves of it left and no manifest names, of
+    the saves that are over: a save of the step again that was killed, a ``dcp.save`` attempt
+    that failed (before 2026-12-06 they stayed for good, gc and retention left them). A save
+    is over when its in-flight marker (without one: its newest file) is older than ``grace``,
+    as for a step that never committed; a save of the step running now keeps its files."""
+    named = set(body.get("files", {})) | {i.get("file") for i in body.get("indexes", [])}
+    saves: dict[str, list] = {}
+    for n, (_, mtime) in ents.items():
+        m = _ATTEMPT_RE.fullmatch(n)
+        other = m.group(1) if m else (n[len(fmt.INFLIGHT_PREFIX):]
+                                      if n.startswith(fmt.INFLIGHT_PREFIX) else None)
+        if other is not None and other != sid and n not in named:
+            saves.setdefault(other, []).append((n, now if mtime is None else mtime))
+    out: list[str] = []
+    for other, names in saves.items():
+        marker = f"{fmt.INFLIGHT_PREFIX}{other}"
+        began = (marker_time(storage, f"{d}/{marker}") if marker in ents
+                 else max(m for _, m in names))
+        if now - began >= grace:
+            out += [n for n, _ in names]
+    return sorted(out)
