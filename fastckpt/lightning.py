@@ -37,12 +37,12 @@ Call sequence (who calls what; Lightning decides):
 sharded state goes through ``torch.distributed.checkpoint.save`` with ``fastckpt.dcp.Writer``
 (DCP plans, fastckpt writes and commits), and loads collectively through the engine (resharding
 through DCP's planner). ``RNGCallback`` puts every rank's random generators in the checkpoint.
-See docs/integrations/lightning.md.
+``load_from_checkpoint(Model, path)`` replaces ``Model.load_from_checkpoint(path)`` (which
+reads the path with ``torch.load``). See docs/integrations/lightning.md.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import logging
 import os
@@ -60,15 +60,18 @@ from . import retention
 from .checkpointer import ONE_SHOT_STAGING_CAP, one_shot
 from .engine import dist as _dist
 from .engine.dtypes import tensor_meta
-from .errors import CheckpointNotFoundError, FastCkptError, UnsupportedStateError
+from .errors import (CheckpointNotFoundError, FastCkptError, StateMismatchError,
+                     UnsupportedStateError)
 from .manifest import schema as fmt
 from .manifest.discovery import list_steps, read_manifest
-from .manifest.values import decode_value, path_str, skel_items
+from .lightning_values import (DCP_ENCODING, from_json, lists, map_tensors, plain_copy, to_dcp,
+                               to_json)
+from .manifest.values import decode_value, skel_items, skel_seq
 from .options import CheckpointOptions, options_from_env
 from .rng import RNGState
 from .storage import Storage, open_storage
 
-__all__ = ["CheckpointIO", "RNGCallback", "ModelParallelStrategy"]
+__all__ = ["CheckpointIO", "RNGCallback", "ModelParallelStrategy", "load_from_checkpoint"]
 
 log = logging.getLogger("fastckpt")
 
@@ -121,6 +124,7 @@ class CheckpointIO(_CheckpointIOBase):
         step = _step_of(checkpoint)
         state = plain_copy(checkpoint, self.convert)  # raises before anything is written
         with self._in_flight(root):
+            _replace_link(root)
             _refuse_file(root)
             opts = {"staging_cap_bytes": ONE_SHOT_STAGING_CAP, **self._overrides}
             with one_shot(root, collective=False, storage_options=self.storage_options,
@@ -147,7 +151,7 @@ class CheckpointIO(_CheckpointIOBase):
         with one_shot(storage, collective=False, **self._overrides) as ck:
             out = ck.read(step=step)
         if map_location is not None:
-            out = _map_tensors(out, lambda t: t.to(map_location))
+            out = map_tensors(out, lambda t: t.to(map_location))
         return out
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -197,6 +201,35 @@ class CheckpointIO(_CheckpointIOBase):
             self._cond.wait(left)
 
 
+def load_from_checkpoint(cls: type, path: Any, map_location: Any | None = None,
+                         strict: bool | None = None, *, checkpoint_io: CheckpointIO | None = None,
+                         **kwargs: Any) -> Any:
+    """``cls.load_from_checkpoint(path, ...)`` for a path fastckpt saved (Lightning's own reads
+    the path with ``torch.load`` and fails on a fastckpt directory): a new ``cls`` (a
+    LightningModule or LightningDataModule class) built from the checkpoint's hyperparameters
+    (``kwargs`` override them) with its weights loaded, as Lightning builds it
+    (``lightning.pytorch.core.saving._load_state``). ``map_location``: None or a device;
+    ``checkpoint_io``: the CheckpointIO that reads it (default ``CheckpointIO()``)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.core.saving import _load_state
+    from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
+    io = checkpoint_io if checkpoint_io is not None else CheckpointIO()
+    checkpoint = io.load_checkpoint(path, map_location=map_location)
+    if "pytorch-lightning_version" not in checkpoint or "state_dict" not in checkpoint:
+        raise FastCkptError(f"{_root(path)} holds no Lightning checkpoint (no "
+                            "'pytorch-lightning_version' or 'state_dict' key)", file=_root(path))
+    checkpoint = _pl_migrate_checkpoint(checkpoint, checkpoint_path=_root(path))
+    checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
+    checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
+    if issubclass(cls, pl.LightningDataModule):
+        return _load_state(cls, checkpoint, **kwargs)
+    if not issubclass(cls, pl.LightningModule):
+        raise TypeError(f"load_from_checkpoint builds a LightningModule or LightningDataModule, "
+                        f"not a {cls.__qualname__}")
+    model = _load_state(cls, checkpoint, strict=strict, **kwargs)
+    return model if map_location is None else model.to(map_location)
+
+
 # ------------------------------------------------------------------------------ path and values
 
 def _root(path: Any) -> str:
@@ -220,58 +253,21 @@ def _step_of(checkpoint: dict) -> int:
     return step
 
 
+def _replace_link(root: str) -> None:
+    """A local path that is a symbolic link (``save_last="link"`` makes ``last.ckpt`` one, to a
+    top-k checkpoint) is removed, not followed: the save goes into a new directory there, as
+    Lightning's own IO replaces the link with a file (before 2026-12-06 the save went into the
+    link's target, whose step retention then removed)."""
+    if "://" not in root and os.path.islink(root):
+        os.unlink(root)
+
+
 def _refuse_file(root: str) -> None:
     if "://" not in root and os.path.isfile(root):
         raise FastCkptError(
             f"{root} is a file (a checkpoint written by Lightning's own CheckpointIO?); "
             "fastckpt keeps each checkpoint path as a directory: load that file with "
             "Lightning's TorchCheckpointIO, or save under another name", file=root)
-
-
-def _describe(x: Any) -> str:
-    return f"{type(x).__module__}.{type(x).__qualname__}"
-
-
-_SCALARS = (type(None), bool, int, float, str)
-
-
-def plain_copy(x: Any, convert: Callable[[str, Any], Any] | None = None,
-               path: tuple = ()) -> Any:
-    """A copy of the containers of ``x`` (tensors shared, not copied) holding only what fastckpt
-    stores as it is: tensors, ``None``/bool/int/float/str, lists, tuples and dicts (dict
-    subclasses such as ``OrderedDict`` and Lightning's ``AttributeDict`` become dicts). Anything
-    else (an arbitrary object, a module, an optimizer, a numpy scalar) goes through
-    ``convert(key, value)`` or raises ``UnsupportedStateError`` naming the key. ``x`` is not
-    changed."""
-    if isinstance(x, torch.Tensor) or type(x) in _SCALARS:
-        return x
-    if isinstance(x, dict):
-        return {k: plain_copy(v, convert, path + (k,)) for k, v in x.items()}
-    if type(x) in (list, tuple):
-        return type(x)(plain_copy(v, convert, path + (i,)) for i, v in enumerate(x))
-    key = path_str(path)
-    if convert is not None:
-        y = convert(key, x)
-        if y is not x:
-            return plain_copy(y, None, path)
-    hint = ("exclude it from the hyperparameters (self.save_hyperparameters(ignore=[...])) or "
-            if path[:1] in (("hyper_parameters",), ("datamodule_hyper_parameters",)) else "")
-    err = UnsupportedStateError(
-        f"key {key!r}: cannot store a {_describe(x)} in a fastckpt checkpoint (values are never "
-        "pickled; tensors and plain int/float/str/bool/None in dicts, lists and tuples are): "
-        f"{hint}pass fastckpt.lightning.CheckpointIO(convert=...) to turn it into plain data")
-    err.key = key
-    raise err
-
-
-def _map_tensors(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if isinstance(x, dict):
-        return {k: _map_tensors(v, fn) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_map_tensors(v, fn) for v in x)
-    return x
 
 
 # --------------------------------------------------------------------------- one step per root
@@ -332,14 +328,14 @@ class RNGCallback(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         # lists, not tuples (RNGState takes either back): DCP does not look inside tuples
-        mine = _lists(RNGState().state_dict())
+        mine = lists(RNGState().state_dict())
         group = self._ranks()
         if group.world_size == 1:
             return {"world_size": 1, "ranks": [mine]}
         # every rank holds the same value (saved once); through rank 0: O(N) store commands
-        ranks = group.decide(_to_json(mine), _every, timeout_s=self.timeout_s,
+        ranks = group.decide(to_json(mine), _every, timeout_s=self.timeout_s,
                              what="RNGCallback: every rank's random generators")
-        return {"world_size": len(ranks), "ranks": [_from_json(r) for r in ranks]}
+        return {"world_size": len(ranks), "ranks": [from_json(r) for r in ranks]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         group = self._ranks()
@@ -352,40 +348,7 @@ class RNGCallback(Callback):
             return
         # fresh tensors: a loaded one may be a view at an offset into a larger buffer (the
         # engine places tensors for direct reads), and torch.set_rng_state crashes on those
-        RNGState().load_state_dict(_map_tensors(ranks[group.rank], torch.clone))
-
-
-def _lists(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: _lists(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_lists(v) for v in x]
-    return x
-
-
-def _to_json(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        t = x.detach().cpu().contiguous()
-        return {"$b64": base64.b64encode(t.view(torch.uint8).numpy().tobytes()).decode(),
-                "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-    if isinstance(x, dict):
-        return {k: _to_json(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_to_json(v) for v in x]
-    return x
-
-
-def _from_json(x: Any) -> Any:
-    if isinstance(x, dict):
-        if "$b64" in x:
-            raw = bytearray(base64.b64decode(x["$b64"]))
-            t = (torch.frombuffer(raw, dtype=torch.uint8) if raw
-                 else torch.empty(0, dtype=torch.uint8))
-            return t.view(getattr(torch, x["dtype"])).reshape(x["shape"]).clone()
-        return {k: _from_json(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_from_json(v) for v in x]
-    return x
+        RNGState().load_state_dict(map_tensors(ranks[group.rank], torch.clone))
 
 
 # ------------------------------------------------------------------------- ModelParallelStrategy
@@ -434,15 +397,19 @@ class ModelParallelStrategy(_ModelParallelStrategy):
         state: dict[str, Any] = {}
         try:
             step = _step_of(checkpoint)
-            _refuse_file(root)
+            if self.global_rank == 0:
+                _replace_link(root)  # (the others see it after the agreement)
+            if not os.path.islink(root):  # (rank 0 replaces it: not a file whatever it names)
+                _refuse_file(root)
             state = {"state_dict": checkpoint["state_dict"]}
             for i, osd in enumerate(checkpoint.get("optimizer_states", [])):
                 state[f"optimizer_{i}"] = osd
             rest = {k: v for k, v in checkpoint.items()
                     if k not in ("state_dict", "optimizer_states")}
-            state["lightning"] = plain_copy(rest, fio.convert, ())
-            _dcp_safe(state["lightning"], ("lightning",))
-        except (FastCkptError, TypeError, ValueError, KeyError) as e:
+            # tagged: DCP's flattening would str() its keys and drop its empty containers
+            state["lightning"] = to_dcp(plain_copy(rest, fio.convert, ()))
+            state["lightning_encoding"] = DCP_ENCODING
+        except (FastCkptError, OSError, TypeError, ValueError, KeyError) as e:
             error = e
         self._agree_or_raise(error, fio, f"save of {root}")
         # (the DCP path plans and stages itself: only the Writer's options go along)
@@ -472,20 +439,41 @@ class ModelParallelStrategy(_ModelParallelStrategy):
             saved = dict(skel_items(fmt.tree_for_rank(body, self.global_rank, self.world_size,
                                                       file=mpath)) or [])
             meta = tensor_meta(body, file=mpath)
-            rest = decode_value(saved.get("lightning", {}), lambda fqn: torch.empty(
-                meta[fqn]["shape"], dtype=meta[fqn]["dtype"]))
-            _check_model_keys(self.model, saved.get("state_dict"),
-                              self.lightning_module.strict_loading, mpath)
-            state = {"state_dict": self.model, "lightning": rest}
-            for i, optim in enumerate(self.optimizers):
-                if f"optimizer_{i}" in saved:
-                    state[f"optimizer_{i}"] = optim
+
+            def alloc(fqn: str) -> torch.Tensor:
+                return torch.empty(meta[fqn]["shape"], dtype=meta[fqn]["dtype"])
+            strict = self.lightning_module.strict_loading
+            _check_model_keys(self.model, saved.get("state_dict"), strict, mpath)
+            whole = "lightning" not in saved  # written by CheckpointIO: the Lightning dict
+            if whole:
+                rest = {k: decode_value(v, alloc) for k, v in saved.items() if k != "state_dict"}
+                names = _whole_optimizers(saved, self.optimizers, self.model, mpath)
+                state = {"state_dict": self.model, **rest}
+            else:
+                encoding = decode_value(saved.get("lightning_encoding"))
+                if encoding not in (None, DCP_ENCODING):
+                    raise FastCkptError(f"the 'lightning' part is encoded as {encoding!r}, which "
+                                        "this fastckpt does not know (a newer version wrote it)",
+                                        file=mpath)
+                rest = decode_value(saved["lightning"], alloc)
+                state = {"state_dict": self.model, "lightning": rest}
+                for i, optim in enumerate(self.optimizers):
+                    if f"optimizer_{i}" in saved:
+                        state[f"optimizer_{i}"] = optim
         except (FastCkptError, OSError, TypeError, ValueError, KeyError) as e:
             error = e
         self._agree_or_raise(error, fio, f"load of {root}")
         with one_shot(storage, collective=True, **fio._overrides) as ck:
             ck.load(state, step=step, strict=False)  # the model's keys were checked above
-        return rest
+        if whole:  # the optimizer states as Lightning's own strategy loads a full checkpoint
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                                 set_optimizer_state_dict)
+            for optim, osd, ids in zip(self.optimizers, rest.pop("optimizer_states", []), names):
+                set_optimizer_state_dict(self.model, optim, _by_name(osd, ids), options=(
+                    StateDictOptions(full_state_dict=True, strict=strict)))
+            return rest
+        # (decoded once the tensors are in: the tags of to_dcp, on the part as it was saved)
+        return decode_value(rest) if encoding == DCP_ENCODING else rest
 
     def _agree_or_raise(self, error: BaseException | None, fio: CheckpointIO, what: str) -> None:
         """Every rank learns whether every rank can go on (bounded by plan_timeout_s), so that
@@ -514,27 +502,45 @@ def _failed(statuses: list) -> list:
     return bad[:8] + ([[None, f"and {len(bad) - 8} more rank(s)"]] if len(bad) > 8 else [])
 
 
-def _dcp_safe(x: Any, path: tuple, inside: bool = False) -> None:
-    """What DCP's flattening would not give back as it was is refused here, naming the key: a
-    tensor inside a tuple (DCP hands a tuple over whole, as one value to pickle; fastckpt
-    stores values as JSON) and a dict keyed 0..n-1 (its flat keys are a list's)."""
-    why = None
-    if isinstance(x, torch.Tensor) and inside:
-        why = "a tensor inside a tuple (DCP saves a tuple as one pickled value): use a list"
-    elif isinstance(x, dict) and x and all(type(k) is int for k in x) and sorted(x) == list(
-            range(len(x))):
-        why = "a dict keyed 0..n-1 (DCP's flat keys would load it back as a list)"
-    if why is not None:
-        err = UnsupportedStateError(f"key {path_str(path)!r}: cannot go through "
-                                    f"torch.distributed.checkpoint: {why}")
-        err.key = path_str(path)
-        raise err
-    if isinstance(x, dict):
-        for k, v in x.items():
-            _dcp_safe(v, path + (k,), inside)
-    elif isinstance(x, (list, tuple)):
-        for i, v in enumerate(x):
-            _dcp_safe(v, path + (i,), inside or isinstance(x, tuple))
+def _whole_optimizers(saved: dict, optimizers: list, model: torch.nn.Module,
+                      file: str) -> list[dict]:
+    """For a checkpoint CheckpointIO wrote (each optimizer's state as torch's ``state_dict``,
+    parameters by index): each optimizer's ``{saved index: parameter FQN}``, matched by
+    position in the param groups as ``Optimizer.load_state_dict`` matches them. Raises
+    StateMismatchError when the groups differ from this run's optimizers'."""
+    from .engine.state import _param_fqns
+    saved_osds = skel_seq(saved.get("optimizer_states"))
+    if not optimizers:
+        return []
+    if saved_osds is None or len(saved_osds) != len(optimizers):
+        n = "no" if saved_osds is None else len(saved_osds)
+        raise StateMismatchError(
+            f"this checkpoint (written by fastckpt.lightning.CheckpointIO) holds {n} optimizer "
+            f"state(s), this run has {len(optimizers)} optimizer(s)", file=file)
+    fqns = _param_fqns(model)
+    out = []
+    for i, (optim, skel) in enumerate(zip(optimizers, saved_osds)):
+        groups = decode_value(dict(skel_items(skel) or []).get("param_groups"))
+        sizes = ([len(g["params"]) for g in groups] if isinstance(groups, list) and all(
+            isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups) else None)
+        want = [len(g["params"]) for g in optim.param_groups]
+        if sizes != want:
+            raise StateMismatchError(
+                f"optimizer {i}: the checkpoint's param groups hold {sizes} parameters, this "
+                f"run's {want}", file=file)
+        if any(id(p) not in fqns for h in optim.param_groups for p in h["params"]):
+            raise StateMismatchError(f"optimizer {i} holds a parameter that is not the model's",
+                                     file=file)
+        out.append({k: fqns[id(p)] for g, h in zip(groups, optim.param_groups)
+                    for k, p in zip(g["params"], h["params"])})
+    return out
+
+
+def _by_name(osd: dict, ids: dict) -> dict:
+    """``osd`` (torch's layout: parameters by index) keyed by parameter FQN (DCP's layout)."""
+    return {"state": {ids.get(k, k): v for k, v in osd.get("state", {}).items()},
+            "param_groups": [{**g, "params": [ids.get(k, k) for k in g["params"]]}
+                             for g in osd.get("param_groups", [])]}
 
 
 def _check_model_keys(model: torch.nn.Module, saved: Any, strict: bool, file: str) -> None:
@@ -543,7 +549,6 @@ def _check_model_keys(model: torch.nn.Module, saved: Any, strict: bool, file: st
         return
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from .errors import StateMismatchError
     have = set(get_model_state_dict(model))
     want = {k for k, _ in (skel_items(saved) or [])}
     if have != want:
