@@ -195,7 +195,11 @@ def summarize(raw: dict, *, state_size: int | None = None, step_drain_s: float =
     slowest = max(fck["write_s_samples"]) if fck and fck["write_s_samples"] else None
     save_bw = slowest and fck["bytes"] / slowest
     if save_bw:
-        grace = grace_window(int(state_size or state_bytes), save_bw, step_drain_s=step_drain_s,
+        # the state the window is for: --state-size, else the larger of --size and the
+        # synthetic state (its layers' width is rounded down: before 2026-12-06 the window
+        # covered 75% of --size at 64 ranks)
+        grace = grace_window(int(state_size or max(int(raw.get("size") or 0), state_bytes)),
+                             save_bw, step_drain_s=step_drain_s,
                              barrier_s=barrier_s, safety_fraction=safety_fraction,
                              safety_min_s=safety_min_s)
     staged = samples("fastckpt staged")
@@ -252,6 +256,10 @@ def engine_record(report: dict) -> dict:
 
     def bw(name: str, k: str) -> float | None:
         r = by.get(name)
+        if r and name == "fastckpt" and k == "write" and r.get("write_s_samples"):
+            # the slowest repetition, as the grace window (before 2026-12-06 the median: the
+            # trigger planned an emergency save with a typical rate, the window the worst)
+            return r["bytes"] / max(r["write_s_samples"])
         return r and r.get(f"{k}_bytes_per_s")
     n = max(1, int(report["ranks"]))
     per_rank = {k: (v / n if v else None) for k, v in (
@@ -274,6 +282,9 @@ def engine_record(report: dict) -> dict:
         # additive (readers ignore unknown keys): where raw_write/raw_read come from, and that
         # "load" is a restart load in fresh processes
         "raw_source": report.get("raw_source"), "load_method": "fresh-process restart",
+        # the save's compression ("zstd", "auto"; None: plain): a job saving otherwise does not
+        # take this record's rates (preempt/budget.py)
+        "compression": report.get("compression"),
     }
 
 

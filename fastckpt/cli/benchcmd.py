@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import click
@@ -90,8 +91,10 @@ def bench(target: str, size: int, ranks: int, reps: int, warmup: bool, state_siz
     if bad or not cont:
         raise click.BadParameter(f"unknown {sorted(bad)}; choose from {','.join(B.CONTENDERS)}",
                                  param_hint="--contenders")
-    if safety < 0 or step_drain < 0 or barrier < 0 or safety_min < 0:
-        raise click.BadParameter("must be >= 0", param_hint="--safety/--step-drain/--barrier")
+    for name, v in (("--safety", safety), ("--step-drain", step_drain), ("--barrier", barrier),
+                    ("--safety-min", safety_min)):  # (NaN passed `< 0` and dropped the window)
+        if not math.isfinite(v) or v < 0:
+            raise click.BadParameter(f"must be a number >= 0, got {v}", param_hint=name)
     if ranks > 1 and target.startswith("memory://"):
         raise click.BadParameter("memory:// lives in one process; --ranks > 1 needs storage "
                                  "the rank processes share", param_hint="--ranks")
@@ -166,6 +169,11 @@ def bench(target: str, size: int, ranks: int, reps: int, warmup: bool, state_siz
     rep = B.summarize(raw, state_size=state_size, step_drain_s=step_drain, barrier_s=barrier,
                       safety_fraction=safety, safety_min_s=safety_min)
     rep["compression"] = raw.get("compression")
+    if state_size and state_size > 8 * size:  # (a drive's write cache, the server's memory)
+        notes.append(f"note: the window for --state-size {_hb(state_size)} is scaled up from "
+                     f"a {_hb(size)} run, {state_size / size:.0f}x: a small run can fit a "
+                     "drive's or a server's cache; measure with --size near the state a node "
+                     "writes")
     bad_loads = [r["label"] for r in rep["rows"] if r.get("load_verified") is False]
     if bad_loads:
         notes.append(f"WARNING: the state loaded by {', '.join(bad_loads)} differs from the "
@@ -195,7 +203,10 @@ def bench(target: str, size: int, ranks: int, reps: int, warmup: bool, state_siz
                          "(pip install matplotlib)")
         else:
             put("png", png_to, data, "the chart")
-    if not no_record:
+    if not no_record and rep.get("grace") is None and "fastckpt" not in cont:
+        notes.append("note: no bandwidth record written: fastckpt was not measured (a record "
+                     "without it would replace the grace window of an earlier run)")
+    elif not no_record:
         put("record", out or B.join(target, B.BENCH_FILE),
             (json.dumps(B.engine_record(rep), indent=1) + "\n").encode(), "the bandwidth record")
     rep["notes"] = notes
@@ -279,6 +290,9 @@ def _print_bench(rep: dict) -> None:
               "the batch script itself runs training; for preemption, GraceTime >= "
               f"{g['seconds']} s)")
         _echo(f"  Kubernetes: terminationGracePeriodSeconds: {g['seconds']}")
+        _echo(f"  the ranks:  FASTCKPT_GRACE_S={g['seconds']} (or FASTCKPT_SIGNAL_GRACE_S="
+              f"\"SIGUSR1={g['seconds']},SIGTERM=<KillWait>\"): without it they assume the "
+              "platform's default; `fastckpt slurm` / `fastckpt k8s` set it for you")
     f = rep.get("files", {})
     wrote = [f"{label} {f[k]}" for k, label in (("report", "report"), ("png", "chart"),
                                                   ("record", "record")) if f.get(k)]

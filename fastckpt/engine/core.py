@@ -183,7 +183,7 @@ class Engine:
             from ..bench.record import read_bench
             rec = (read_bench(self.storage.root) or {}).get("per_rank_bytes_per_s") or {}
             v = rec.get("save")
-            return float(v) if isinstance(v, (int, float)) and v > 0 else None
+            return float(v) if type(v) in (int, float) and 0 < v < 1e12 else None  # (not inf)
         except Exception:  # noqa: BLE001 - a hint only
             return None
 

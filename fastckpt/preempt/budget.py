@@ -12,18 +12,50 @@ in-flight save after its current file, save the newer step), abandon, skip.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from typing import Any
 
 
-def bench_record(root: str) -> dict | None:
-    """Per-rank bandwidths from ``fastckpt bench``'s record in the root, if there is one."""
+#: the most a record's bandwidth may claim (B/s): above it the record is not believed
+MAX_RECORD_BPS = 1e12
+_ANY = object()
+
+
+def local_ranks(environ: Any = None) -> int:
+    """The ranks on this node (torchrun's LOCAL_WORLD_SIZE, Slurm's SLURM_NTASKS_PER_NODE),
+    1 when neither says."""
+    env = os.environ if environ is None else environ
+    for k in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        try:
+            return max(1, int(env.get(k, "")))
+        except ValueError:
+            continue
+    return 1
+
+
+def bench_record(root: str, compression: Any = _ANY) -> dict | None:
+    """Per-rank bandwidths from ``fastckpt bench``'s record in a local root, if there is one
+    and it holds for this job. Since 2026-12-06: a record measured with another
+    ``compression`` than the job's is not taken; the record's rates are shared by this node's
+    ranks (the bench's own count at most: a record of ``--ranks 1`` gave each of 8 ranks on
+    the node the whole disk); values that are not finite positive numbers below
+    :data:`MAX_RECORD_BPS` are dropped (Infinity made any save fit); a remote root's record is
+    not read (an unbounded read on the emergency path)."""
+    from ..bench.record import is_local, read_bench
+    if not root or not is_local(root):
+        return None
     try:
-        from ..bench.record import read_bench
-        rec = read_bench(root)
-        per = (rec or {}).get("per_rank_bytes_per_s") or {}
-        return {k: float(v) for k, v in per.items() if isinstance(v, (int, float)) and v > 0}
+        rec = read_bench(root) or {}
+        if compression is not _ANY and (rec.get("compression") or None) != (compression or None):
+            return None
+        per = rec.get("per_rank_bytes_per_s") or {}
+        n = rec.get("ranks")
+        n = n if type(n) is int and n >= 1 else 1
+        share = n / max(n, local_ranks())
+        return {k: float(v) * share for k, v in per.items()
+                if type(v) in (int, float) and math.isfinite(v) and 0 < v <= MAX_RECORD_BPS}
     except Exception:  # noqa: BLE001 - a damaged record must not break the emergency path
         return None
 

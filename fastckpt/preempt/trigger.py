@@ -397,8 +397,8 @@ class Preemption:
         return budget.estimate(
             samples=list(self._samples), state_bytes=state_bytes,
             assumed_write_bps=self.opts.assumed_write_mibps * (1 << 20),
-            record=lambda: budget.bench_record(self.ckpt.root), inflight=inflight,
-            piece_bytes=piece, left_s=self._dl() - time.monotonic(),
+            record=lambda: budget.bench_record(self.ckpt.root, self.ckpt.options.compression),
+            inflight=inflight, piece_bytes=piece, left_s=self._dl() - time.monotonic(),
             zero_copy=self.ckpt.emergency_is_zero_copy())
 
     decide = staticmethod(budget.decide)
