@@ -264,3 +264,16 @@ def test_a_remote_bench_gives_the_trigger_no_upload_rate():
     rec = engine_record(rep)
     assert rec["bandwidth_bytes_per_s"]["save"] == pytest.approx(40 * MiB)
     assert rec["per_rank_bytes_per_s"].get("upload") is not None, rec["per_rank_bytes_per_s"]
+
+
+def test_a_fifo_in_place_of_the_record_is_no_record(tmp_path):
+    """The record is read on the emergency path (before a process measured a save): a FIFO at
+    its path blocked the open for good (docs/design.md: a FIFO where a file is expected is
+    never a blocked open). Now it is no record; so is one larger than 1 MiB."""
+    import subprocess
+    import sys
+    os.mkfifo(tmp_path / ".fastckpt-bench.json")
+    r = subprocess.run([sys.executable, "-c", "import sys; from fastckpt.bench.record import "
+                        "read_bench; print(read_bench(sys.argv[1]))", str(tmp_path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "None", (r.returncode, r.stderr[-500:])

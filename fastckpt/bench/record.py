@@ -4,6 +4,8 @@ bandwidths the preemption trigger uses before its first save was measured. Torch
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 BENCH_FILE = ".fastckpt-bench.json"
 BENCH_FORMAT = "fastckpt-bench"
@@ -27,8 +29,13 @@ def read_bench(root: str, path: str | None = None) -> dict | None:
     explicit ``path``; None when absent or not a valid record. Keys: see docs/cli.md."""
     target = path or join(root, BENCH_FILE)
     try:
-        if is_local(target):
-            with open(local_path(target), "rb") as f:
+        if is_local(target):  # a regular file only, never a blocked open (a FIFO there
+            # held the emergency path's estimate for good before 2026-12-06)
+            fd = os.open(local_path(target), os.O_RDONLY | os.O_NONBLOCK)
+            with os.fdopen(fd, "rb") as f:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_size > 1 << 20:
+                    return None
                 data = f.read()
         else:
             import fsspec
