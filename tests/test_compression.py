@@ -365,3 +365,19 @@ def test_verify_without_zstandard_checks_checksums_and_says_frames_were_not_deco
     res = verify_step(root, 1, record=False)
     assert res.ok and res.frames_checked == 0 and res.chunks_checked == 1
     assert len(res.notes) == 1 and "frames not decoded" in res.notes[0], res.notes
+
+
+def test_encoder_threads_split_the_cores_among_the_nodes_ranks(monkeypatch):
+    # one reader of the node's rank count for the encoder pool and the trigger's bench-record
+    # share: torchrun's LOCAL_WORLD_SIZE, else Slurm's SLURM_NTASKS_PER_NODE; not a number: 1
+    from fastckpt.engine.compress import default_threads
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    assert default_threads() == 8
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")
+    assert default_threads() == 4  # Slurm's count, as the trigger shares the disk
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert default_threads() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "many")  # was a ValueError at the engine's start
+    assert default_threads() == 4

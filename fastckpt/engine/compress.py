@@ -43,6 +43,7 @@ from ..storage import codec
 from ..storage.native import aligned_buffer
 from ..storage.pyio import _raw_view
 from ..storage.threads import Threads
+from .dist import local_ranks
 
 log = logging.getLogger("fastckpt")
 
@@ -57,13 +58,12 @@ _FLOATS = {torch.float32, torch.float16, torch.bfloat16, torch.float64}
 
 def default_threads() -> int:
     """Encoder threads per rank: the cores this process may use, split among the node's
-    ranks (LOCAL_WORLD_SIZE), at most 8."""
+    ranks (:func:`.dist.local_ranks`), at most 8."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return max(1, min(8, cores // max(1, local)))
+    return max(1, min(8, cores // local_ranks()))
 
 
 class Compression:

@@ -82,6 +82,20 @@ MULTI_GET_BATCH = 1024
 MULTI_SET_BYTES = 256 * 1024
 
 
+def local_ranks(environ: Any = None) -> int:
+    """The ranks on this node (torchrun's LOCAL_WORLD_SIZE, Slurm's SLURM_NTASKS_PER_NODE),
+    1 when neither says (or says something that is not a number). The one reader of both: the
+    trigger shares a bench record's disk rate among them, the encoder pool its cores."""
+    import os
+    env = os.environ if environ is None else environ
+    for k in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        try:
+            return max(1, int(env.get(k, "")))
+        except ValueError:
+            continue
+    return 1
+
+
 def store_host() -> tuple[list[int], str]:
     """The ranks lost together with the process group's c10d store, and where it lives.
 

@@ -17,22 +17,12 @@ import os
 import time
 from typing import Any
 
+from ..engine.dist import local_ranks
+
 
 #: the most a record's bandwidth may claim (B/s): above it the record is not believed
 MAX_RECORD_BPS = 1e12
 _ANY = object()
-
-
-def local_ranks(environ: Any = None) -> int:
-    """The ranks on this node (torchrun's LOCAL_WORLD_SIZE, Slurm's SLURM_NTASKS_PER_NODE),
-    1 when neither says."""
-    env = os.environ if environ is None else environ
-    for k in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        try:
-            return max(1, int(env.get(k, "")))
-        except ValueError:
-            continue
-    return 1
 
 
 def bench_record(root: str, compression: Any = _ANY) -> dict | None:
