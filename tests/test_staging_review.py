@@ -74,7 +74,7 @@ from fastckpt.storage import bounded
 from tests.test_hung_storage import Hung
 
 st = Hung(sys.argv[1])
-st.write_s = 3.0  # the shard write is still under way when the script ends
+st.hang.add("write")  # the shard write waits for the gate: under way when the script ends
 KEEP = []
 
 def checkpoint(state):
@@ -107,6 +107,9 @@ for _ in range(20 if sys.argv[2] == "drop" else 1):
         break
 print("collected" if ref() is None else "alive", "done" if handle.done() else "running",
       flush=True)
+# the mount answers again once the script has ended (a non-daemon thread: joined at shutdown,
+# before the atexit handlers run, which then finish the save)
+threading.Timer(0.5, st.answers).start()
 '''
 
 
@@ -252,3 +255,43 @@ def test_a_write_left_to_its_thread_does_not_hand_its_buffer_to_a_later_save(
             ck.close()
         except Exception:  # noqa: BLE001
             pass
+
+
+def test_staging_that_stops_fails_the_save_by_the_writers_bound(tmp_path, short_bounds,
+                                                              monkeypatch):
+    """The training thread's copy of the state stops (a device copy that never ends; here the
+    uncapped pool's one memcpy, held on an event): the writer fails the save by its own bound
+    instead of waiting for the pieces without end (until 2026-12-07 it waited, and committed
+    whatever arrived whenever it arrived). The previous step stays, the next save commits."""
+    from fastckpt.engine import core as _core
+    release = threading.Event()
+    real = _core.copy_all
+
+    def stuck(*a, **k):
+        release.wait(30)
+        return real(*a, **k)
+    ck = fastckpt.Checkpointer(str(tmp_path / "ck"), commit_timeout_s=COMMIT_S)
+    try:
+        state = {"w": torch.arange(1 << 18, dtype=torch.float32)}
+        ck.save(state, step=1, block=True)
+        monkeypatch.setattr(_core, "copy_all", stuck)
+        holder: dict = {}
+        th = threading.Thread(target=lambda: holder.update(h=ck.save(state, step=2)),
+                              daemon=True)
+        th.start()
+        time.sleep(COMMIT_S + 3)  # past the writer's bound (COMMIT_S + WRITE_GRACE_S)
+        release.set()  # the copy ends late: nothing of it may commit now
+        th.join(30)
+        assert "h" in holder, "save() never returned"
+        with pytest.raises(fastckpt.FastCkptError, match="staging of step 2 handed over nothing"):
+            holder["h"].wait(timeout=40)
+        monkeypatch.setattr(_core, "copy_all", real)
+        assert fastckpt.steps(str(tmp_path / "ck")) == [1]
+        ck.save(state, step=3, block=True)
+        assert fastckpt.steps(str(tmp_path / "ck")) == [1, 3]
+        out = {"w": torch.zeros(1 << 18)}
+        fastckpt.load(out, str(tmp_path / "ck"), step=3)
+        assert torch.equal(out["w"], state["w"])
+    finally:
+        release.set()
+        ck.close()

@@ -52,7 +52,7 @@ from ..storage import Storage, open_storage
 from ..storage.native import get_backend
 from . import device as _device
 from . import dist as _dist
-from .handle import SaveHandle
+from .handle import Job, SaveHandle
 from .load import load_into
 from .claim import raise_setup_errors, setup_failures
 from .plan import PlanExchange, local_chunks
@@ -61,7 +61,7 @@ from .tiering import Tier, _skipped
 from .staging import (StagingPool, copy_all, copy_threads, gather_piece, shard_pieces,
                       stage_piece)
 from .state import flatten
-from .writer import Job, Writer
+from .writer import Writer
 
 log = logging.getLogger("fastckpt")
 

@@ -1,11 +1,18 @@
-"""The handle of one save: its two completions, *staged* and *committed*."""
+"""The handle of one save: its two completions, *staged* and *committed*; and the save as
+the writer takes it (:class:`Job`)."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from ..errors import StorageError
+
+if TYPE_CHECKING:
+    from .plan import SavePlan
 
 #: how long past a save's own deadlines its handle is still waited for by a ``wait()`` without
 #: a timeout (the writer's phases each end by theirs: see :meth:`SaveHandle.bound`)
@@ -155,3 +162,30 @@ class SaveHandle:
         state = ("committed" if self.committed else "failed" if self.done()
                  else "staged" if self.staged else "staging")
         return f"<SaveHandle step={self.step} {state} {self.path}>"
+
+
+@dataclass
+class Job:
+    """One save, from the training thread to the writer."""
+    plan: SavePlan
+    handle: SaveHandle
+    step_dir: str
+    user_meta: dict = field(default_factory=dict)
+    t0: float = 0.0
+    #: (piece, buffer, hashes, ready) as they are staged; (None, error, ...) when staging failed
+    pieces: queue.Queue = field(default_factory=queue.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)  # superseded: stop early
+    failed: threading.Event = field(default_factory=threading.Event)  # (writer) staging stops
+    deadline: float | None = None  # monotonic; the emergency save's commit deadline
+    files: set = field(default_factory=set)  # (coordinator) the shard files it committed
+    #: this rank's shard files as written (name, size, chunks): the remote tier uploads them
+    my_files: list = field(default_factory=list)
+    #: this rank's chunk index ({"file", "size", "checksum"}) when the plan is indexed
+    my_index: dict | None = None
+    manifest: bytes | None = None  # (coordinator) the manifest's bytes, once committed
+    upload: bool = False  # hand it to the remote tier once committed (the plan decided)
+    compress: bool = False  # encode the pieces (engine/compress.py)
+    write_deadline: float = 0.0  # (monotonic) the write phase's, set by the writer
+    #: the Engine, kept alive while the writer holds the job: its atexit close (a weak
+    #: reference) then finishes the save of a Checkpointer the program dropped (lost before)
+    owner: Any = None

@@ -33,9 +33,7 @@ import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_all
-from dataclasses import dataclass, field
 from typing import Any, Callable
-
 
 from ..errors import CommitTimeoutError, FastCkptError, StorageError
 from ..manifest import index as idx
@@ -49,7 +47,7 @@ from ..storage.threads import Threads
 from . import dist as _dist
 from . import handle as _handle
 from .commit import check_present, commit, publish_checked
-from .handle import SaveHandle
+from .handle import Job
 from .plan import SavePlan
 from .staging import Gathered, StagingPool
 
@@ -68,33 +66,6 @@ CLOSE_MIN_S = 5.0
 WRITE_STALL_S = _bounded.CALL_S
 MIN_WRITE_BPS = _bounded.MIN_RATE
 _SENTINEL = object()
-
-
-@dataclass
-class Job:
-    """One save, from the training thread to the writer."""
-    plan: SavePlan
-    handle: SaveHandle
-    step_dir: str
-    user_meta: dict = field(default_factory=dict)
-    t0: float = 0.0
-    #: (piece, buffer, hashes, ready) as they are staged; (None, error, ...) when staging failed
-    pieces: queue.Queue = field(default_factory=queue.Queue)
-    cancel: threading.Event = field(default_factory=threading.Event)  # superseded: stop early
-    failed: threading.Event = field(default_factory=threading.Event)  # (writer) staging stops
-    deadline: float | None = None  # monotonic; the emergency save's commit deadline
-    files: set = field(default_factory=set)  # (coordinator) the shard files it committed
-    #: this rank's shard files as written (name, size, chunks): the remote tier uploads them
-    my_files: list = field(default_factory=list)
-    #: this rank's chunk index ({"file", "size", "checksum"}) when the plan is indexed
-    my_index: dict | None = None
-    manifest: bytes | None = None  # (coordinator) the manifest's bytes, once committed
-    upload: bool = False  # hand it to the remote tier once committed (the plan decided)
-    compress: bool = False  # encode the pieces (engine/compress.py)
-    write_deadline: float = 0.0  # (monotonic) the write phase's, set by the writer
-    #: the Engine, kept alive while the writer holds the job: its atexit close (a weak
-    #: reference) then finishes the save of a Checkpointer the program dropped (lost before)
-    owner: Any = None
 
 
 class Writer:
@@ -200,6 +171,7 @@ class Writer:
         try:
             files = []
             remaining = len(plan.pieces)
+            left = sum(p.size for p in plan.pieces)  # bytes still to be staged
             pending: collections.deque = collections.deque()
             try:
                 # (inside: a step directory or marker that cannot be made fails the save
@@ -216,11 +188,12 @@ class Writer:
                 ex = self._io
                 streams = ex.size
                 while remaining:
-                    piece, buf, hashes, ready = self._next_piece(job, pending, plan)
+                    piece, buf, hashes, ready = self._next_piece(job, pending, plan, left)
                     remaining -= 1
                     if piece is None:
                         remaining = 0  # the training thread stopped staging
                         raise FastCkptError(f"staging failed: {type(buf).__name__}: {buf}") from buf
+                    left -= piece.size
                     if job.cancel.is_set():
                         self._release(buf, ready)
                         raise FastCkptError(f"save of step {plan.step} was cancelled (superseded "
@@ -329,13 +302,13 @@ class Writer:
         for cb in self.on_committed:
             cb(job)
 
-    def _write_bound(self, nbytes: int, job: Job) -> float:
+    def _write_bound(self, nbytes: int, job: Job, since: float | None = None) -> float:
         """(``time.monotonic()``) until when a shard write of ``nbytes`` just submitted is
         waited for: the save's write deadline, or, when later, :data:`WRITE_STALL_S` plus its
         bytes at :data:`MIN_WRITE_BPS` (a slow disk that answers finishes a large shard past
         the phase's deadline); an emergency save's: its deadline. Then
         :data:`WRITE_GRACE_S`, so that a remote store's own bound reports first."""
-        now = time.monotonic()
+        now = time.monotonic() if since is None else since
         end = job.write_deadline
         if job.deadline is None:
             end = max(end, now + WRITE_STALL_S + nbytes / MIN_WRITE_BPS)
@@ -352,17 +325,28 @@ class Writer:
         return (time.monotonic() + 3 * self.options.commit_timeout_s + WRITE_STALL_S
                 + nbytes / MIN_WRITE_BPS + WRITE_GRACE_S + _handle.STUCK_SLACK_S)
 
-    def _next_piece(self, job: Job, pending: collections.deque, plan: SavePlan) -> tuple:
-        """(background) The next staged piece; while none comes, the oldest write under way
-        is held to its bound: a capped pool's buffers can all be held by writes that never
-        return, and staging then waits for one (before 2026-12-06 this wait had no end, nor
-        had staging's: a save on a hung mount never returned)."""
+    def _next_piece(self, job: Job, pending: collections.deque, plan: SavePlan,
+                    nbytes: int) -> tuple:
+        """(background) The next staged piece, ``nbytes`` still to come. While staging waits
+        for a buffer the oldest write under way holds (a capped pool), that write is held to
+        its bound; with none under way, staging gets :meth:`_write_bound`'s allowance for the
+        bytes left (a training thread stuck in a device copy fails the save; since 2026-12-07,
+        before which this wait had no end of its own and woke every 0.1 s)."""
+        since = time.monotonic()
         while True:
+            under_way = next((p for p in pending if not p[0].done()), None)
+            until = under_way[2] if under_way else self._write_bound(nbytes, job, since)
             try:
-                return job.pieces.get(timeout=0.1)
+                return job.pieces.get(timeout=max(0.0, until - time.monotonic()))
             except queue.Empty:
-                if pending and time.monotonic() >= pending[0][2]:
-                    self._result(pending[0], plan)  # (raises, unless it has just returned)
+                if under_way is not None:
+                    self._result(under_way, plan)  # (raises, unless it has just returned)
+                    since = time.monotonic()  # its buffer is free from now on
+                    continue
+                raise FastCkptError(
+                    f"staging of step {plan.step} handed over nothing for {until - since:.0f} s "
+                    f"({nbytes} bytes left): the copy of the state stopped; not committed",
+                    rank=self.rank) from None
 
     def _result(self, pending: tuple, plan: SavePlan) -> dict:
         """A shard write's entries (raising its error), waited for until its bound
