@@ -49,32 +49,30 @@ def plain_copy(x: Any, convert: Callable[[str, Any], Any] | None = None,
     err.key = key
     raise err
 
-def map_tensors(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(x, torch.Tensor):
-        return fn(x)
+def _walk(x: Any, leaf: Callable[[Any], Any], seq: type | None = None) -> Any:
+    """``x``'s dicts, lists and tuples rebuilt around ``leaf(v)`` of every other value ``v``;
+    each list or tuple becomes a ``seq`` (None: its own type)."""
     if isinstance(x, dict):
-        return {k: map_tensors(v, fn) for k, v in x.items()}
+        return {k: _walk(v, leaf, seq) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return type(x)(map_tensors(v, fn) for v in x)
-    return x
+        return (seq or type(x))(_walk(v, leaf, seq) for v in x)
+    return leaf(x)
+
+def map_tensors(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    return _walk(x, lambda v: fn(v) if isinstance(v, torch.Tensor) else v)
 
 def lists(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: lists(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [lists(v) for v in x]
-    return x
+    return _walk(x, lambda v: v, list)
+
+def _tensor_json(x: Any) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    t = x.detach().cpu().contiguous()
+    return {"$b64": base64.b64encode(t.view(torch.uint8).numpy().tobytes()).decode(),
+            "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
 
 def to_json(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        t = x.detach().cpu().contiguous()
-        return {"$b64": base64.b64encode(t.view(torch.uint8).numpy().tobytes()).decode(),
-                "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-    if isinstance(x, dict):
-        return {k: to_json(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [to_json(v) for v in x]
-    return x
+    return _walk(x, _tensor_json, list)
 
 def from_json(x: Any) -> Any:
     if isinstance(x, dict):
