@@ -23,6 +23,8 @@ if [ $# -eq 0 ]; then
   # the default indexes saves of 16 ranks and more only: run the multi-rank, multi-node,
   # tiered-preemption and CLI tests again with per-rank chunk indexes on every save (format 4)
   echo "[test] multi-rank tests again, FASTCKPT_RANK_INDEXES=1 (per-rank chunk indexes)"
+  # (not the CLI's benches: their saves are the engine's, run in the full pass)
   FASTCKPT_RANK_INDEXES=1 FASTCKPT_NATIVE=$native python -m pytest -q -p no:cacheprovider \
-    tests/test_distributed.py tests/test_cli.py tests/test_multinode.py tests/test_tiered_preempt.py
+    tests/test_distributed.py tests/test_cli.py tests/test_multinode.py tests/test_tiered_preempt.py \
+    -k "not bench"
 fi
