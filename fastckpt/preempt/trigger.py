@@ -44,6 +44,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -567,7 +568,6 @@ class Preemption:
         self.event.close()
         if not clean:  # threads may be stuck in the store or a collective: do not join them
             try:
-                import sys
                 sys.stdout.flush()
                 sys.stderr.flush()
             except Exception:
@@ -580,7 +580,7 @@ class Preemption:
             self.ckpt.close()
         except Exception as e:
             log.warning("fastckpt: close after the emergency checkpoint: %s", e)
-        raise SystemExit(code)
+        sys.exit(code)  # (not SystemExit: W&B's sys.exit hook gives its atexit teardown the code)
 
 
 def _destroy_process_group() -> None:
