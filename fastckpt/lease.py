@@ -32,7 +32,8 @@ Limits: object stores without conditional writes decide a race by that read-back
 when both writers put their record within ``CONFIRM_S`` of reading the old one (with the lock,
 no read-back is needed); a writer that
 stops renewing for longer than ``ttl_s`` (a process stopped with SIGSTOP, a partitioned node)
-loses the lease to the next writer and its later commits are not prevented (documented in
+loses the lease to the next writer, for good (``lost``): its next commit and its retention
+fail on ``check``, but a commit already past its check is not prevented (documented in
 docs/design.md, "Concurrency rules for a root"). Readers (``load``, ``resume``, the CLI) never
 take the lease.
 """
@@ -92,12 +93,15 @@ class WriterLease:
         self._cond = (not storage.is_local) and storage.conditional_writes()
         self._version: str | None = None
         self._seen_version: str | None = None
+        #: the record of the writer that took this lease over, once seen: the lease stays
+        #: lost (renew writes nothing, check raises) even after that record is gone
+        self.lost: dict | None = None
 
     # -- acquire ------------------------------------------------------------------------------
     def acquire(self) -> "WriterLease":
         """Take the lease or raise WriterLockedError naming the holder (see the module
         docstring); waits at most ``wait_s`` for an unrenewed lease of another host to expire."""
-        self.storage.makedirs(self.storage.root)
+        self._op().makedirs(self.storage.root)
         free_lock = self._lock()
         try:
             self._take(free_lock)
@@ -270,10 +274,11 @@ class WriterLease:
     def renew(self) -> None:
         """Write the record again with the current time (also called by the renew thread)."""
         with self._mu:
-            if not self.record or self._stop.is_set():
+            if not self.record or self._stop.is_set() or self.lost is not None:
                 return
             rec = self._read()
             if rec is not None and rec.get("owner") != self.owner:
+                self.lost = rec
                 log.error("fastckpt: the writer lease of %s was taken over by %s; this job "
                           "must not write there any more", self.storage.root, describe(rec))
                 return
@@ -284,17 +289,21 @@ class WriterLease:
                                                                if_match=self._version)
                 except ConditionFailed:
                     if not self._own_write_landed():
+                        self.lost = self._read() or {}
                         log.error("fastckpt: the writer lease of %s was taken over (%s); this "
                                   "job must not write there any more", self.storage.root,
-                                  describe(self._read() or {}))
+                                  describe(self.lost))
                 return
             self._write()
 
     def check(self) -> None:
         """Raise WriterLockedError if another writer took the lease over (checked before each
-        save writes anything)."""
-        rec = self._read()
+        manifest and before retention removes anything); once taken over, always (before
+        2026-12-07 it passed again once the taker had released its record, and the next
+        renewal wrote this holder's record back)."""
+        rec = self.lost if self.lost is not None else self._read()
         if rec is not None and rec.get("owner") != self.owner:
+            self.lost = rec
             raise WriterLockedError(
                 f"this job's writer lease on {self.storage.root} was taken over by another job "
                 f"({describe(rec)}), after this one did not renew it for {self.ttl_s:.0f} s",

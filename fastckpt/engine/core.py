@@ -408,8 +408,10 @@ class Engine:
         (another rank's claim failed) only takes part in the exchange."""
         error: Exception | None = None
         try:
-            if not self._claimed:
-                self.storage.check_writable()
+            if not self._claimed:  # (bounded: a mount that stops answering fails the first
+                end = time.monotonic() + self.options.commit_timeout_s  # save, as any other)
+                self.storage.bounded(end if deadline is None else min(end, deadline)
+                                     ).check_writable()
                 if self.rank == 0:
                     self._lease = WriterLease(self.storage, ttl_s=self.options.lease_ttl_s,
                                               renew_s=self.options.lease_ttl_s / 4).acquire()

@@ -537,9 +537,12 @@ class Tier:
             # emergency step already (CI caught its files removed, the step committed without)
             # keep_steps (an integration's: the Trainer's best step) holds on both tiers
             # (before 2026-12-06 both tiers' retention here removed it)
-            parts.append(("remote retention", lambda st: apply_retention(
-                st, self.keep_last, protect={up.step} | kept, force_partial=True,
-                partial_below=up.step)))
+            def remote_retention(st: Storage) -> None:
+                if self._lease is not None:  # not taken over since the manifest's check
+                    self._lease.check()
+                apply_retention(st, self.keep_last, protect={up.step} | kept,
+                                force_partial=True, partial_below=up.step)
+            parts.append(("remote retention", remote_retention))
             # the local steps kept for their upload (retention of the saves since protected
             # them); committed ones only: a save may be writing a partial step right now
             local.append(("local retention", lambda st: apply_retention(

@@ -546,9 +546,10 @@ class Writer:
                     st.remove(f"{d}/{n}")
 
         def retention(keep_last: int | None) -> None:
+            if self.lease is not None:  # taken over since the check before the manifest (a
+                self.lease.check()      # partition while it was written): remove nothing
             removed = apply_retention(st, keep_last, protect={plan.step} | set(self.protect())
-                                      | self.keep,
-                                      force_partial=True)
+                                      | self.keep, force_partial=True)
             if removed:
                 log.info("fastckpt: retention removed steps %s", removed)
 
