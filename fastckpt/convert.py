@@ -17,14 +17,13 @@ files with ``torch.load(weights_only=True)``; what those refuse is refused, nami
 
 from __future__ import annotations
 
-import errno
 import fnmatch
-import io
 import math
 import os
 import pickle
 import re
 import socket
+import stat
 import time
 import uuid
 from collections import namedtuple
@@ -33,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 
+from .convert_dcp import MAX_METADATA_BYTES, DcpFiles, first_line, read_metadata
 from .dcp import Writer, _nest
 from .engine.chunks import batches, write_chunks
 from .engine.commit import publish_checked
@@ -52,11 +52,9 @@ __all__ = ["convert", "detect", "step_from_name", "ConvertResult", "NotConvertib
 
 #: tensor bytes read from SRC and held at once (a larger chunk is held alone)
 DEFAULT_BATCH_BYTES = 1 << 30
-MAX_METADATA_BYTES = 1 << 30
 VERIFY_BLOCK = 16 << 20
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _STEP_NAME = re.compile(r"^(?:step|global_step|checkpoint|iter)[-_]?(\d+)$")
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")  # no separator, no leading dot
 
 ProgressFn = Callable[[int], None]
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # not DTensors, not tensor subclasses
@@ -134,7 +132,11 @@ def detect(src: str | os.PathLike) -> str:
         raise NotConvertibleError(f"{path} is a directory without a DCP .metadata file")
     if not os.path.exists(path):
         raise NotConvertibleError(f"{path} does not exist")
-    with open(path, "rb") as f:
+    # opened without waiting (a FIFO: for a writer, for good, before 2026-12-07)
+    with open(path, "rb", opener=lambda p, fl: os.open(p, fl | _NONBLOCK)) as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise NotConvertibleError(f"{path} is not a regular file (a FIFO, a device?): "
+                                      "neither a DCP checkpoint directory nor a torch.save file")
         head = f.read(4)
     if head == b"PK\x03\x04" or head[:1] == b"\x80":  # torch.save's zip, or its legacy pickle
         return "torch_save"
@@ -152,125 +154,6 @@ def step_from_name(src: str | os.PathLike) -> int | None:
 
 # ------------------------------------------------------------------------------ DCP source
 
-_META_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata", "BytesStorageMetadata", "ChunkStorageMetadata", "MetadataIndex",
-        "StorageMeta", "TensorProperties", "TensorStorageMetadata", "_MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's ``.metadata`` is a pickle: only DCP's own metadata classes, torch.Size and dtypes
-    are resolved; any other global is refused before anything runs."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None),
-                                                                torch.dtype)):
-            return getattr(torch, name)
-        if name in _META_CLASSES.get(module, ()):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refused global {module}.{name}")
-
-
-def _read_metadata(src: str) -> Any:
-    from torch.distributed.checkpoint.metadata import Metadata
-    path = os.path.join(src, ".metadata")
-    with _open_regular(path) as f:
-        if os.fstat(f.fileno()).st_size > MAX_METADATA_BYTES:
-            raise CorruptCheckpointError("DCP .metadata is larger than 1 GiB", file=path)
-        try:
-            md = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError,
-                IndexError, RecursionError) as e:
-            raise CorruptCheckpointError(
-                f"not a DCP metadata file fastckpt reads safely: {e} (only DCP's own metadata "
-                "classes are unpickled)", file=path) from None
-    if not (isinstance(md, Metadata) and isinstance(md.state_dict_metadata, dict)
-            and isinstance(md.storage_data, dict)):
-        raise CorruptCheckpointError("not DCP metadata", file=path)
-    return md
-
-
-def _open_regular(path: str) -> io.BufferedReader:
-    """A link is not followed, a FIFO not waited for (its size, 0, fails the bounds checks);
-    one that cannot be opened is a CorruptCheckpointError naming it."""
-    try:
-        return open(path, "rb", opener=lambda p, fl: os.open(p, fl | _NOFOLLOW))
-    except OSError as e:
-        why = "a symbolic link, never followed" if e.errno == errno.ELOOP else e.strerror
-        raise CorruptCheckpointError(f"cannot open the file: {why}", file=path) from None
-
-
-class _DcpFiles:
-    """SRC's data files, each opened once; items read with torch.load(weights_only=True)."""
-
-    def __init__(self, src: str, md: Any) -> None:
-        self.src, self.md, self.open, self.sizes, self._transforms = src, md, {}, {}, None
-
-    def info(self, index: Any, what: str) -> Any:
-        si = self.md.storage_data.get(index)
-        rel = getattr(si, "relative_path", None)
-        if not isinstance(rel, str) or not _PLAIN_NAME.match(rel):
-            raise CorruptCheckpointError(f"DCP metadata has no valid storage entry for {what}",
-                                         key=index.fqn, file=f"{self.src}/.metadata")
-        if rel not in self.sizes:  # (opened once: a missing file, a link are named errors)
-            path = os.path.join(self.src, rel)
-            f = self.open.get(path) or self.open.setdefault(path, _open_regular(path))
-            self.sizes[rel] = os.fstat(f.fileno()).st_size
-        off, ln = si.offset, si.length
-        if not (type(off) is int and type(ln) is int and 0 <= off and 0 <= ln
-                and off + ln <= self.sizes[rel]):
-            raise CorruptCheckpointError(f"storage entry {off}+{ln} lies outside the file",
-                                         key=index.fqn, file=os.path.join(self.src, rel))
-        return si
-
-    def load(self, index: Any, si: Any, limit: int) -> Any:
-        path = os.path.join(self.src, si.relative_path)
-        f = self.open[path]  # (opened by info)
-        f.seek(si.offset)
-        stream: Any = io.BytesIO(f.read(si.length))  # held while torch.load copies it out
-        if si.transform_descriptors:  # DCP's stream extensions (compression)
-            if self._transforms is None:
-                from torch.distributed.checkpoint import FileSystemReader
-                self._transforms = FileSystemReader(self.src).transforms
-            raw, stream = self._transforms.transform_load_stream(
-                None, si.transform_descriptors, stream), io.BytesIO()
-            # at most ``limit`` bytes decoded (the value's own), in pieces (a read of n bytes
-            # allocates n first)
-            while stream.tell() <= limit and (
-                    b := raw.read(min(64 << 20, limit + 1 - stream.tell()))):
-                stream.write(b)
-            if stream.tell() > limit:
-                raise CorruptCheckpointError(
-                    f"key path {index.fqn!r}: the stored value decompresses to more than "
-                    f"{limit} bytes, the most it may hold", file=path, offset=si.offset)
-            stream.seek(0)
-        try:
-            return torch.load(stream, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise UnsupportedStateError(
-                f"key path {index.fqn!r}: DCP pickled this value and the safe unpickler "
-                f"(torch.load weights_only=True) refuses it ({_first_line(e)}); fastckpt never "
-                "unpickles arbitrary objects. Nothing was committed") from None
-        except (RuntimeError, EOFError, ValueError, OSError) as e:
-            raise CorruptCheckpointError(f"key path {index.fqn!r}: cannot read the stored "
-                                         f"value: {_first_line(e)}", file=path) from None
-
-    def close(self) -> None:
-        for f in self.open.values():
-            f.close()
-
-
-def _first_line(e: BaseException) -> str:
-    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
-    hit = next((x for x in lines if "global" in x.lower()), lines[0] if lines else "")
-    return hit[:300] or type(e).__name__
-
-
 def _excluded(key: str, exclude: tuple) -> bool:
     """Whether a dotted key path or one of its prefixes matches a glob of ``exclude``."""
     parts = key.split(".")
@@ -278,7 +161,7 @@ def _excluded(key: str, exclude: tuple) -> bool:
                for i in range(1, len(parts) + 1))
 
 
-def _dcp_source(src: str, files: _DcpFiles, exclude: tuple) -> _Source:
+def _dcp_source(src: str, files: DcpFiles, exclude: tuple) -> _Source:
     from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, MetadataIndex,
                                                        TensorStorageMetadata)
     md = files.md
@@ -339,7 +222,7 @@ def _dcp_source(src: str, files: _DcpFiles, exclude: tuple) -> _Source:
     return _Source(chunks, tree, tensors, ranks=len(ranks) or None)
 
 
-def _chunk_tensor(files: _DcpFiles, index: Any, si: Any, dtype: torch.dtype,
+def _chunk_tensor(files: DcpFiles, index: Any, si: Any, dtype: torch.dtype,
                   sizes: tuple) -> torch.Tensor:
     t = files.load(index, si, math.prod(sizes) * dtype.itemsize + (1 << 20))  # + framing
     if (type(t) is not torch.Tensor or t.layout != torch.strided
@@ -424,7 +307,7 @@ def _torch_save_source(src: str, exclude: tuple) -> _Source:
             obj = torch.load(src, map_location="cpu", weights_only=True)  # legacy format
     except pickle.UnpicklingError as e:
         raise UnsupportedStateError(
-            f"{src} holds pickled objects that are not plain data ({_first_line(e)}),"
+            f"{src} holds pickled objects that are not plain data ({first_line(e)}),"
             " which torch.load(weights_only=True) refuses; fastckpt never unpickles arbitrary "
             "objects. Nothing was written: load it in code you trust and fastckpt.save the "
             "tensors and plain values") from None
@@ -504,7 +387,7 @@ def convert(src: str | os.PathLike, root: str | os.PathLike | Storage, *,
                               f"{old.get('save_id')}); force=True (--force) replaces it, or "
                               "choose another step")
     exclude = (exclude,) if isinstance(exclude, str) else tuple(exclude)
-    files = _DcpFiles(src_path, _read_metadata(src_path)) if kind == "dcp" else None
+    files = DcpFiles(src_path, read_metadata(src_path)) if kind == "dcp" else None
     try:  # everything is read and checked but the tensors before anything is written
         try:
             source = (_dcp_source(src_path, files, exclude) if files is not None
@@ -520,8 +403,11 @@ def convert(src: str | os.PathLike, root: str | os.PathLike | Storage, *,
                             step=step, step_from=step_from, path=disp(d),
                             save_id=uuid.uuid4().hex[:12], source_ranks=source.ranks,
                             replaced=old is not None)
-        _write_and_commit(storage, d, source, set(old["files"]) if old else set(),
-                          batch_bytes, progress, res)
+        # the replaced save's files, its chunk indexes too: a failure leaves them (before
+        # 2026-12-07 its indexes were removed, the step it was to leave named missing files)
+        keep = set(old["files"]) | {i.get("file") for i in old.get("indexes", [])} if old \
+            else set()
+        _write_and_commit(storage, d, source, keep, batch_bytes, progress, res)
     finally:
         if files is not None:
             files.close()

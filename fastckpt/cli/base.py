@@ -191,6 +191,22 @@ class SizeType(click.ParamType):
         return n
 
 
+class SecondsType(click.ParamType):
+    """A duration option (``--grace``): a number of seconds >= 0 (``inf`` allowed). NaN is
+    refused: every "younger than" comparison with it is False (before 2026-12-07 ``gc --grace
+    nan --yes`` removed a save in flight as abandoned)."""
+    name = "SECONDS"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if not x >= 0:  # (NaN too)
+            self.fail(f"{value!r} is not a number of seconds >= 0", param, ctx)
+        return x
+
+
 def write_or_print(text: str, output: str | None) -> None:
     """A generated file (job script, manifest) to ``output``, else to stdout."""
     if output:

@@ -15,8 +15,7 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..options import torch_env_from_slurm
 from .base import (ENV_PATH, ENV_ROOT, ENV_STEP, EXIT_CODES_HELP, EXIT_NO_CHECKPOINT,
                    EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, EXIT_OK, EXIT_PROBLEM, EXIT_STORAGE,
-                   EXIT_USAGE,
-                   CliError,
+                   EXIT_USAGE, CliError, SecondsType,
                    _add_row, _echo, _emit_json, _hb, _not_found, _print_table, _progress, _rate,
                    _set_json, _storage, _table, _when, cli)
 
@@ -218,7 +217,7 @@ def _newest_of_tiers(storage: Any, skipped: list) -> tuple[tuple, Any, str]:
 @cli.command(name="ls", epilog=EXIT_CODES_HELP)
 @click.argument("root")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
-@click.option("--grace", type=float, default=None, metavar="SECONDS",
+@click.option("--grace", type=SecondsType(), default=None,
               help="A partial step with activity this recent is shown as 'writing' "
                    "(default: the engine's in-flight grace, 3600).")
 def ls_cmd(root: str, as_json: bool, grace: float | None) -> int:
@@ -433,7 +432,7 @@ def _report_verify(res: Any) -> None:
               f"{frames}, {_hb(res.bytes_checked)} checked in {res.seconds:.2f} s ({rate})")
     for note in res.notes:
         _echo(f"note: {note}", err=True)
-    else:
+    if not res.ok:  # (before 2026-12-07 a for-else: "0 PROBLEM(S)" after every OK)
         _echo(f"step {res.step}: {len(res.problems)} PROBLEM(S) in {res.path}")
         for p in res.problems:
             _echo(f"  {p.kind.upper()}: {p}")
@@ -448,7 +447,7 @@ def _report_verify(res: Any) -> None:
 @click.option("--keep", type=click.IntRange(min=1), default=None, metavar="N",
               help="Keep the newest N committed steps (default: remove no committed step).")
 @click.option("--yes", is_flag=True, help="Remove for real (default: dry run).")
-@click.option("--grace", type=float, default=None, metavar="SECONDS",
+@click.option("--grace", type=SecondsType(), default=None,
               help="A partial step with an in-flight marker or a file younger than this is "
                    "left alone (default 3600, the engine's).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
