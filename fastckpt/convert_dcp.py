@@ -6,13 +6,12 @@ every item read inside its file, a stream-transformed one decoded up to its size
 
 from __future__ import annotations
 
-import enum
 import errno
-import importlib
 import io
 import os
 import pickle
 import re
+import struct
 from typing import Any
 
 import torch
@@ -21,7 +20,6 @@ from .errors import CorruptCheckpointError, UnsupportedStateError
 
 MAX_METADATA_BYTES = 1 << 30
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-_GONE = object()
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")  # no separator, no leading dot
 
 _META_CLASSES = {
@@ -35,9 +33,21 @@ _META_CLASSES = {
 }
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(pickle._Unpickler):  # (Python's: its BUILD can be checked)
     """DCP's ``.metadata`` is a pickle: only DCP's own metadata classes, torch.Size and dtypes
-    are resolved; any other global is refused before anything runs."""
+    are resolved; any other global is refused before anything runs. BUILD (set the attributes
+    of the object on the stack) applies to a new instance of DCP's metadata classes only: on
+    anything else the pickle can reach (those classes themselves, the enum's members,
+    ``_get_layout``) it would change torch's objects for the rest of the process (before
+    2026-12-07 it did: C's unpickler, whose BUILD cannot be checked)."""
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def __init__(self, f: Any) -> None:
+        super().__init__(f)
+        from torch.distributed.checkpoint import filesystem, metadata as m
+        self.buildable = frozenset({
+            m.Metadata, m.BytesStorageMetadata, m.ChunkStorageMetadata, m.MetadataIndex,
+            m.StorageMeta, m.TensorProperties, m.TensorStorageMetadata, filesystem._StorageInfo})
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None),
@@ -47,48 +57,15 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"refused global {module}.{name}")
 
-
-def _shared_objects() -> dict[str, Any]:
-    """The objects of the allow-list a pickle can reach that have attributes to set (the
-    Python classes, the function, the enum's members): a pickle's BUILD opcode sets the
-    attributes of whatever it is applied to, these included (torch's classes, process-wide)."""
-    out = {}
-    for module, names in _META_CLASSES.items():
-        for name in names:
-            obj = getattr(importlib.import_module(module), name, None)
-            if obj is not None and hasattr(obj, "__dict__"):
-                out[f"{module}.{name}"] = obj
-                if isinstance(obj, type) and issubclass(obj, enum.Enum):
-                    out.update({f"{module}.{name}.{m.name}": m for m in obj})
-    return out
-
-
-def _unpickle(f: Any) -> Any:
-    """:class:`_MetadataUnpickler`'s load, refused (UnpicklingError) when it changed an
-    attribute of an allowed object; what it changed is put back (before 2026-12-07: a
-    ``.metadata`` could set attributes of DCP's classes, of ``_get_layout``, of the enum's
-    members, for the rest of the process)."""
-    shared = _shared_objects()
-    before = {k: dict(vars(o)) for k, o in shared.items()}
-    try:
-        return _MetadataUnpickler(f).load()
-    finally:
-        changed = [k for k, o in shared.items() if vars(o).keys() != before[k].keys()
-                   or any(vars(o)[a] is not v for a, v in before[k].items())]
-        for k in changed:
-            obj, old = shared[k], before[k]
-            if isinstance(obj, type):  # (a class's __dict__ is read-only: type's setattr)
-                for a in set(vars(obj)) - set(old):
-                    type.__delattr__(obj, a)
-                for a, v in old.items():
-                    if vars(obj).get(a, _GONE) is not v:
-                        type.__setattr__(obj, a, v)
-            else:
-                vars(obj).clear()
-                vars(obj).update(old)
-        if changed:  # (raised over whatever the load raised)
-            raise pickle.UnpicklingError(f"the pickle sets attributes of {changed[0]}, an "
-                                         "object it may only use")
+    def load_build(self) -> None:
+        inst = self.stack[-2] if len(self.stack) > 1 else None
+        if type(inst) not in self.buildable:
+            what = (f"{getattr(inst, '__module__', '?')}.{inst.__qualname__}"
+                    if hasattr(inst, "__qualname__") else f"a {type(inst).__qualname__}")
+            raise pickle.UnpicklingError(f"the pickle sets attributes of {what}, an object it "
+                                         "may only use")
+        pickle._Unpickler.load_build(self)
+    dispatch[pickle.BUILD[0]] = load_build
 
 
 def read_metadata(src: str) -> Any:
@@ -98,9 +75,9 @@ def read_metadata(src: str) -> Any:
         if os.fstat(f.fileno()).st_size > MAX_METADATA_BYTES:
             raise CorruptCheckpointError("DCP .metadata is larger than 1 GiB", file=path)
         try:
-            md = _unpickle(f)
+            md = _MetadataUnpickler(f).load()
         except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError,
-                IndexError, RecursionError) as e:
+                IndexError, KeyError, struct.error, RecursionError) as e:
             raise CorruptCheckpointError(
                 f"not a DCP metadata file fastckpt reads safely: {e} (only DCP's own metadata "
                 "classes are unpickled)", file=path) from None

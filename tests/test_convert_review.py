@@ -10,8 +10,8 @@ before its fix.
 3. a torch.save SRC that is a FIFO: ``detect`` opened it blocking and waited for a writer,
    for good;
 4. the restricted ``.metadata`` unpickler let the pickle's BUILD opcode set attributes on the
-   objects it allows (a DCP class, an enum member, ``torch.serialization._get_layout``):
-   torch's classes changed for the rest of the process.
+   objects it allows (a DCP class, an enum member, its very class,
+   ``torch.serialization._get_layout``): torch's objects changed for the rest of the process.
 """
 
 from __future__ import annotations
@@ -139,6 +139,13 @@ _TARGETS = {
     "enum member": (_MD + b"_MEM_FORMAT_ENCODING\nK\x00\x85R}X\x07\x00\x00\x00_value_K\x07sb.",
                     lambda: __import__("torch.distributed.checkpoint.metadata", fromlist=["x"])
                     ._MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT.value == 7 or None),
+    # the member's class replaced (BUILD (None, {"__class__": MetadataIndex})): an attribute
+    # that is not in its __dict__
+    "enum member's class": (_MD + b"_MEM_FORMAT_ENCODING\nK\x00\x85RN}X\t\x00\x00\x00"
+                            b"__class__" + _MD + b"MetadataIndex\ns\x86b.",
+                            lambda: __import__("torch.distributed.checkpoint.metadata",
+                                               fromlist=["x"])._MEM_FORMAT_ENCODING(0).__class__
+                            .__name__ != "_MEM_FORMAT_ENCODING" or None),
     # GLOBAL torch.serialization._get_layout; BUILD {"cache": {}}: torch's layout cache
     # replaced
     "function": (b"ctorch.serialization\n_get_layout\n}X\x05\x00\x00\x00cache}X\x01\x00\x00"
@@ -154,7 +161,8 @@ def test_metadata_that_sets_attributes_of_allowed_globals_is_refused(tmp_path, t
     src.mkdir()
     (src / ".metadata").write_bytes(b"\x80\x02" + payload)
     import torch.distributed.checkpoint.metadata as m
-    enum_value = m._MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT._value_
+    member = m._MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    enum_value = member._value_
     cache = torch.serialization._get_layout.cache
     try:
         with pytest.raises(CorruptCheckpointError, match="sets attributes") as ei:
@@ -163,5 +171,6 @@ def test_metadata_that_sets_attributes_of_allowed_globals_is_refused(tmp_path, t
         assert changed() is None, "a global of torch's was changed"
     finally:  # (the code before: put them back, for the other tests of this process)
         m.MetadataIndex.__dict__.get("pwned_") and delattr(m.MetadataIndex, "pwned_")
-        m._MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT._value_ = enum_value
+        object.__setattr__(member, "__class__", m._MEM_FORMAT_ENCODING)
+        member._value_ = enum_value
         torch.serialization._get_layout.cache = cache

@@ -6,7 +6,13 @@ written to fail on the code before its fix.
 2. ``fastckpt gc --grace nan --yes`` removed a save in flight (its in-flight marker 0 s old):
    every "younger than --grace" comparison is False with NaN; ``ls --grace nan`` showed it as
    an abandoned "partial" step. A --grace that is not a number >= 0 is now a usage error
-   (exit 2), as a negative one.
+   (exit 2), as a negative one;
+3. ``fastckpt inspect`` (text and --json) of a valid step whose plain value is a list or
+   tuple holding a dict with a tuple key (``[({(1, 2): 3},)]``) ended in a traceback, exit 70
+   ("keys must be str ..."): the value was handed to json.dumps as decoded;
+4. ``fastckpt resume ROOT --verify`` of a step only the remote tier holds wrote its
+   ``.verified-<save_id>`` record into the remote tier, whose URL comes from the root's
+   ``.tiers.json`` (untrusted): the tools only read there (``verify`` records nothing there).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 import fastckpt
 from fastckpt.manifest.discovery import marker_doc, marker_name
 from tests.clirun import call
+from tests.s3fixtures import s3, s3_server  # noqa: F401
 
 
 def test_verify_of_a_clean_step_reports_no_problems(tmp_path, capsys):
@@ -67,3 +74,32 @@ def test_a_grace_that_is_not_a_number_of_seconds_is_a_usage_error(tmp_path, caps
     assert os.path.isdir(d) and len(os.listdir(d)) == 2  # the save in flight is untouched
     code, out, err = call("gc", root, "--yes", capsys=capsys)  # the default grace: kept
     assert code == 0 and os.path.isdir(d), (out, err)
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_inspect_shows_plain_values_whose_dicts_have_tuple_keys(tmp_path, capsys, as_json):
+    root = str(tmp_path / "ckpt")
+    fastckpt.save({"w": torch.ones(2), "x": [({(1, 2): 3},)], "y": ({4: "a"},)}, root, step=1)
+    code, out, err = call("inspect", root, *(["--json"] if as_json else []), capsys=capsys)
+    assert code == 0, (out, err)
+    if as_json:
+        import json
+        doc = json.loads(out)
+        assert doc["plain_values"]["x"] == [[{"(1, 2)": 3}]]
+    else:
+        assert 'x = [[{"(1, 2)": 3}]]' in out, out
+
+
+def test_resume_verify_of_a_remote_tier_step_writes_nothing_there(tmp_path, s3, capsys):
+    import json
+    import shutil
+    local, url = str(tmp_path / "cli"), s3.url("cli")
+    opts = dict(s3.storage_options, skip_instance_cache=True)
+    with fastckpt.Checkpointer(local, remote=url, storage_options=opts) as ck:
+        ck.save({"w": torch.arange(64.0), "step": 1}, step=1, block=True).wait_remote(timeout=60)
+    shutil.rmtree(os.path.join(local, "step-0000000001"))  # only the remote tier has it
+    code, out, err = call("resume", local, "--verify", "--json", capsys=capsys)
+    doc = json.loads(out)
+    assert code == 0 and doc["tier"] == "remote" and doc["step"] == 1, (out, err)
+    assert doc["verified"] is True
+    assert not [k for k in s3.keys("cli") if ".verified-" in k]  # nothing written there

@@ -90,7 +90,7 @@ def resume(root: str, cmd: tuple[str, ...], as_json: bool, do_verify: bool, quie
                          step_data_bytes)
     storage = _storage(root)
     rootd = display_path(storage, storage.root)
-    found = None
+    found, own = None, storage  # (own: ROOT; a remote tier it names is read, never written)
     skipped: list = []
     tier = "local" if storage.is_local else "remote"
     try:
@@ -111,7 +111,7 @@ def resume(root: str, cmd: tuple[str, ...], as_json: bool, do_verify: bool, quie
         _echo(f"fastckpt: warning: skipped a newer step whose manifest is damaged: {e}",
               err=True)
     if found is not None and do_verify:
-        res = _run_verify(storage, found, record=True)
+        res = _run_verify(storage, found, record=storage is own)  # (before 2026-12-07: always)
         if not res.ok:
             raise CliError(f"step {found[0]} is damaged: {res.problems[0]}"
                            + (f" (and {len(res.problems) - 1} more problem(s))"

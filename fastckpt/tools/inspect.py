@@ -36,6 +36,17 @@ def _ranges(xs: list[int]) -> str:
     return ",".join(out)
 
 
+def _jsonable(x: Any) -> Any:
+    """A decoded plain value as JSON holds it: tuples as lists, dict keys JSON cannot hold (a
+    tuple) as their ``str`` (before 2026-12-07 json.dumps raised on them: inspect, exit 70)."""
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, dict):
+        return {k if isinstance(k, (str, int, float, bool)) or k is None else str(k):
+                _jsonable(v) for k, v in x.items()}
+    return x
+
+
 def _plain_values(tree: Any) -> dict[str, Any]:
     """Flattened key path -> plain value of a skeleton, tensors left out; a list or tuple of
     plain values stays one value."""
@@ -61,7 +72,7 @@ def _plain_values(tree: Any) -> dict[str, Any]:
                 for i, v in enumerate(seq):
                     walk(v, key(path, i))
             else:
-                out[path] = decode_value(x)
+                out[path] = _jsonable(decode_value(x))
             return
         if isinstance(x, dict) and "$float" in x:
             out[path] = decode_value(x)
