@@ -32,7 +32,8 @@ from typing import Any, Callable
 
 import torch
 
-from .convert_dcp import MAX_METADATA_BYTES, DcpFiles, first_line, read_metadata
+from .convert_dcp import (MAX_METADATA_BYTES, DcpFiles, first_line, read_metadata,
+                          refused_object)
 from .dcp import Writer, _nest
 from .engine.chunks import batches, write_chunks
 from .engine.commit import publish_checked
@@ -306,6 +307,9 @@ def _torch_save_source(src: str, exclude: tuple) -> _Source:
                 raise
             obj = torch.load(src, map_location="cpu", weights_only=True)  # legacy format
     except pickle.UnpicklingError as e:
+        if not refused_object(e):  # damaged bytes (before 2026-12-07: "pickled objects")
+            raise CorruptCheckpointError(f"damaged torch.save file: {first_line(e)}",
+                                         file=src) from None
         raise UnsupportedStateError(
             f"{src} holds pickled objects that are not plain data ({first_line(e)}),"
             " which torch.load(weights_only=True) refuses; fastckpt never unpickles arbitrary "

@@ -130,13 +130,16 @@ class DcpFiles:
         try:
             return torch.load(stream, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
-            raise UnsupportedStateError(
-                f"key path {index.fqn!r}: DCP pickled this value and the safe unpickler "
-                f"(torch.load weights_only=True) refuses it ({first_line(e)}); fastckpt never "
-                "unpickles arbitrary objects. Nothing was committed") from None
+            if refused_object(e):
+                raise UnsupportedStateError(
+                    f"key path {index.fqn!r}: DCP pickled this value and the safe unpickler "
+                    f"(torch.load weights_only=True) refuses it ({first_line(e)}); fastckpt "
+                    "never unpickles arbitrary objects. Nothing was committed") from None
+            err: Exception = e  # (damaged bytes: before 2026-12-07 reported as a refused object)
         except (RuntimeError, EOFError, ValueError, OSError) as e:
-            raise CorruptCheckpointError(f"key path {index.fqn!r}: cannot read the stored "
-                                         f"value: {first_line(e)}", file=path) from None
+            err = e
+        raise CorruptCheckpointError(f"key path {index.fqn!r}: cannot read the stored value: "
+                                     f"{first_line(err)}", file=path, offset=si.offset)
 
     def _decoded(self, index: Any, si: Any, stream: Any, limit: int, path: str) -> io.BytesIO:
         """The item's bytes through its transforms, at most ``limit`` bytes decoded (the
@@ -173,7 +176,21 @@ class DcpFiles:
             f.close()
 
 
+#: the lines of torch's weights-only error that say nothing of this file
+_TORCH_BOILERPLATE = ("Weights only load failed", "Please file an issue", "Check the documentation")
+
+
 def first_line(e: BaseException) -> str:
+    """The line of an unpickling error that says what is wrong (the refused global, else the
+    first that is not torch's boilerplate)."""
     lines = [x.strip() for x in str(e).splitlines() if x.strip()]
-    hit = next((x for x in lines if "global" in x.lower()), lines[0] if lines else "")
+    hit = next((x for x in lines if "global" in x.lower()), None) or next(
+        (x for x in lines if not x.startswith(_TORCH_BOILERPLATE)), lines[0] if lines else "")
     return hit[:300] or type(e).__name__
+
+
+def refused_object(e: pickle.UnpicklingError) -> bool:
+    """Whether torch.load(weights_only=True) refused a pickled object (every object that is not
+    plain data is named by a GLOBAL, which it refuses), not damaged bytes ("Unsupported
+    operand", a truncated stream)."""
+    return "global" in str(e).lower()

@@ -11,7 +11,13 @@ before its fix.
    for good;
 4. the restricted ``.metadata`` unpickler let the pickle's BUILD opcode set attributes on the
    objects it allows (a DCP class, an enum member, its very class,
-   ``torch.serialization._get_layout``): torch's objects changed for the rest of the process.
+   ``torch.serialization._get_layout``): torch's objects changed for the rest of the process;
+5. a DCP item whose bytes are damaged (not a pickled object: zeroed, truncated) was reported
+   as "DCP pickled this value and the safe unpickler refuses it" (an UnsupportedStateError
+   quoting torch's "Weights only load failed ... weights_only=False will likely succeed"
+   boilerplate, no file, no offset): now a CorruptCheckpointError naming the key, the file,
+   the offset and what torch found; likewise a damaged legacy torch.save file ("damaged
+   torch.save file", naming it; exit 1 as before).
 """
 
 from __future__ import annotations
@@ -174,3 +180,34 @@ def test_metadata_that_sets_attributes_of_allowed_globals_is_refused(tmp_path, t
         object.__setattr__(member, "__class__", m._MEM_FORMAT_ENCODING)
         member._value_ = enum_value
         torch.serialization._get_layout.cache = cache
+
+
+# ------------------------------------- 5. a damaged item is damage, not a refused pickled object
+
+@pytest.mark.parametrize("fqn", ["w", "v"])
+def test_a_damaged_item_is_named_as_damage_with_its_file_and_offset(tmp_path, fqn):
+    src, md = _dcp(tmp_path, {"w": torch.ones(4), "v": [1, 2]})
+    si = _item(md, fqn)
+    with open(os.path.join(src, si.relative_path), "r+b") as f:
+        f.seek(si.offset)
+        f.write(bytes(min(si.length, 64)))
+    with pytest.raises(CorruptCheckpointError) as ei:
+        conv.convert(src, str(tmp_path / "root"))
+    msg = str(ei.value)
+    assert f"{fqn!r}" in msg and si.relative_path in msg and ei.value.offset == si.offset, msg
+    assert "weights_only` set to `False`" not in msg and "Unsupported operand" in msg, msg
+
+
+def test_a_damaged_legacy_torch_save_file_is_not_called_pickled_objects(tmp_path,
+                                                                        capsys):
+    src = str(tmp_path / "model.pt")
+    torch.save({"w": torch.ones(4)}, src, _use_new_zipfile_serialization=False)
+    with open(src, "r+b") as f:  # (the head, b"\x80", kept: it is a torch.save file still)
+        f.seek(2)
+        f.write(bytes(38))
+    with pytest.raises(CorruptCheckpointError, match="damaged torch.save file: Unsupported "
+                                                     "operand 0") as ei:
+        conv.convert(src, str(tmp_path / "root"))
+    assert ei.value.file == src
+    code, _, err = call("convert", src, str(tmp_path / "root"), capsys=capsys)
+    assert code == 1 and "Unsupported operand 0" in err and "pickled objects" not in err, err
