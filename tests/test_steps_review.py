@@ -103,3 +103,20 @@ def test_resume_verify_of_a_remote_tier_step_writes_nothing_there(tmp_path, s3, 
     assert code == 0 and doc["tier"] == "remote" and doc["step"] == 1, (out, err)
     assert doc["verified"] is True
     assert not [k for k in s3.keys("cli") if ".verified-" in k]  # nothing written there
+
+
+def test_json_output_is_strict_json_with_values_that_are_not_finite(tmp_path, capsys):
+    """``inspect --json`` of a state holding ``best_loss=inf`` and a NaN printed bare
+    ``Infinity``/``NaN``, which strict JSON parsers (jq --strict, Go, JavaScript) refuse:
+    they are the strings "inf" and "nan" now."""
+    import json
+    root = str(tmp_path / "ckpt")
+    fastckpt.save({"w": torch.ones(2), "best_loss": float("inf"), "seen": [float("nan")]},
+                  root, step=1)
+    code, out, err = call("inspect", root, "--json", capsys=capsys)
+    assert code == 0, (out, err)
+
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+    doc = json.loads(out, parse_constant=refuse)
+    assert doc["plain_values"]["best_loss"] == "inf" and doc["plain_values"]["seen"] == ["nan"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -77,7 +78,20 @@ def _echo(text: str = "", *, err: bool = False) -> None:
 
 
 def _emit_json(obj: Any) -> None:
-    click.echo(json.dumps(obj, indent=1, default=str))
+    """Strict JSON (RFC 8259): a float that is not finite (a saved ``best_loss=inf``) is the
+    string "inf", "-inf" or "nan" (before 2026-12-07 the bare NaN/Infinity strict parsers
+    refuse)."""
+    click.echo(json.dumps(_finite(obj), indent=1, default=str, allow_nan=False))
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
 
 
 def _set_json(flag: bool) -> None:
