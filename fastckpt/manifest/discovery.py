@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import re
 import time
 from typing import Callable, Iterator, Optional, Union
@@ -344,9 +345,12 @@ def read_small_json(storage: Storage, path: str) -> dict | None:
 
 def marker_time(storage: Storage, path: str) -> float:
     """When the save of an in-flight marker began; 0.0 when the marker is unreadable (treated
-    as old)."""
+    as old), and when its time is not a finite number (a crafted one: an integer too large
+    for a float raised OverflowError, which stopped retention and the tools for the whole
+    root; NaN or infinity kept its partial step "in flight" for good)."""
     doc = read_small_json(storage, path) or {}
     try:
-        return float(doc["created_unix"])
-    except (KeyError, TypeError, ValueError):
+        t = float(doc["created_unix"])
+    except (KeyError, TypeError, ValueError, OverflowError):
         return 0.0
+    return t if math.isfinite(t) else 0.0
