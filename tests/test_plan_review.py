@@ -64,3 +64,37 @@ def test_a_crafted_marker_time_neither_stops_the_tools_nor_keeps_its_step(tmp_pa
     _partial(root, 5, created)
     assert apply_retention(storage, 1) == [1, 2, 5]
     assert fastckpt.steps(root) == [3]
+
+
+# --------------------------------------------------------------------- the plan, real ranks
+
+def _missing_shard_save(rank, world, root, lacking):
+    """Every rank shards "w" and "v" over the world mesh, but rank ``lacking`` leaves "w" out
+    of its state (a user's state whose keys differ between ranks). Its rows of "w" are then
+    written by nobody: the save must fail on every rank, naming the tensor, rather than commit
+    a step that no load can read."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,))
+    state = {"v": distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])}
+    w = distribute_tensor(torch.arange(16.0).reshape(8, 2), mesh, [Shard(0)])
+    if rank != lacking:
+        state["w"] = w
+    try:
+        fastckpt.save(state, root, step=1)
+        saved = None
+    except fastckpt.errors.FastCkptError as e:
+        saved = f"{type(e).__name__}: {e}"
+    torch.distributed.barrier()
+    steps = fastckpt.steps(root) if rank == 0 else None
+    return saved, steps
+
+
+@pytest.mark.parametrize("lacking", [0, 1])
+def test_a_sharded_tensor_one_rank_leaves_out_fails_the_save_naming_it(tmp_path, lacking):
+    from tests.distributed import run
+    root = str(tmp_path / "ckpt")
+    out = run(_missing_shard_save, 2, root, lacking)
+    for r, (saved, _) in enumerate(out):
+        assert saved is not None and "'w'" in saved and f"rank {lacking}" in saved, (r, saved)
+    assert out[0][1] == [], out[0][1]  # nothing committed

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from ..errors import UnsupportedStateError
 from .chunks import ChunkSpec, digest, local_chunks  # noqa: F401 - (what callers import here)
-from .solo import solo_of, written, writes
+from .solo import check_held, solo_of, written, writes
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,7 @@ def make_plans(values: list[dict], step: int) -> tuple[list[list], SavePlan]:
                 raise UnsupportedStateError(
                     f"tensor {fqn!r} is sharded over another device mesh or placements on rank "
                     f"{r} than on rank {meshes[fqn][1]}")
+    check_held(values)
     lead = _leads(values)  # whose list stands for each rank's
     members: dict = {}  # a rank that sent a list -> the ranks it stands for
     for r in range(n):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UnsupportedStateError
+
 
 def holders(t: torch.Tensor, world: int) -> tuple:
     """(the hash of a DTensor's mesh and placements, its replicas R, this rank's place among
@@ -41,8 +43,11 @@ def holders(t: torch.Tensor, world: int) -> tuple:
     for d, p in enumerate(t.placements):
         if isinstance(p, Replicate):
             replicas, mine = replicas * shape[d], mine * shape[d] + where[d]
+    # (the mesh's size after the hash: rank 0 checks every rank of the mesh holds the tensor,
+    # :func:`check_held`)
     return (xxhash.xxh3_64_hexdigest(repr(
-        (ranks, [repr(p) for p in t.placements])).encode()), replicas, mine)
+        (ranks, [repr(p) for p in t.placements])).encode()) + f":{mesh.size()}",
+        replicas, mine)
 
 
 def holders_in(cache: dict, key: tuple, t: torch.Tensor, world: int) -> tuple:
@@ -93,3 +98,43 @@ def written(specs: list, alike: bool) -> list:
             if pick == mine:
                 rows.append(s)
     return [list(s[:7]) + [None] for s in rows]
+
+
+def mesh_size(solo: str) -> int | None:
+    """The number of ranks of the mesh a ``solo`` names (:func:`holders`); None for one
+    built by hand without it."""
+    _, _, size = str(solo).rpartition(":")
+    return int(size) if size.isdigit() else None
+
+
+def check_held(values: list[dict]) -> None:
+    """(rank 0, ``make_plans``) Every rank of a solo tensor's mesh holds it. A rank that leaves
+    a DTensor out of its state (the ranks' states have different keys) would leave its boxes
+    written by nobody: before 2026-12-07 such a save committed a manifest whose tensor its
+    chunks did not cover, which every load then refused as damaged. From the tables: a rank's
+    is its own (``own``), rank 0's (None) or the one it names (``own_as``)."""
+    n = len(values)
+    of = [r if r == 0 or v.get("own") is not None else v.get("own_as") or 0
+          for r, v in enumerate(values)]
+    users: dict = {}
+    for t in of:
+        users[t] = users.get(t, 0) + 1
+    held: dict = {}  # fqn -> (how many ranks hold it, its mesh)
+    for t, k in users.items():
+        for fqn, _, _, mesh in values[t].get("own") or ():
+            held[fqn] = (held.get(fqn, (0, mesh))[0] + k, mesh)
+    for fqn, (count, mesh) in held.items():
+        size = mesh_size(mesh)
+        if size is None or count == size:
+            continue
+        tables = {t: {row[0] for row in values[t].get("own") or ()} for t in users}
+        meshes = {t: {row[3] for row in values[t].get("own") or ()} for t in users}
+        lacking = [r for r in range(n) if mesh in meshes[of[r]] and fqn not in tables[of[r]]]
+        who = (f"rank{'s' if len(lacking) > 1 else ''} "
+               f"{', '.join(map(str, lacking[:8]))}{' ...' if len(lacking) > 8 else ''} "
+               "leave" + ("" if len(lacking) > 1 else "s") + " it out of the state"
+               if lacking else "the others leave it out of their states")
+        raise UnsupportedStateError(
+            f"tensor {fqn!r} is a DTensor on a device mesh of {size} ranks, but {count} of "
+            f"them save it: {who}; every rank of its mesh must save it (its boxes would be "
+            "written by nobody)")
