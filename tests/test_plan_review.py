@@ -98,3 +98,20 @@ def test_a_sharded_tensor_one_rank_leaves_out_fails_the_save_naming_it(tmp_path,
     for r, (saved, _) in enumerate(out):
         assert saved is not None and "'w'" in saved and f"rank {lacking}" in saved, (r, saved)
     assert out[0][1] == [], out[0][1]  # nothing committed
+
+
+# ----------------------------------------------------------------------------- discovery
+
+@pytest.mark.parametrize("step", ["5", 5.0, 5.5, True])
+def test_a_step_that_is_not_an_int_is_refused_not_called_damaged(tmp_path, step):
+    """``load(step=...)`` with what ``save`` refuses: a str or a float made the committed
+    step's valid manifest "invalid" (CorruptCheckpointError: "it is in the directory of step 5
+    but says step 5"), ``True`` loaded step 1."""
+    import numpy as np
+    root = str(tmp_path)
+    _steps(root, (1, 5))
+    got = {"w": torch.zeros(100)}
+    with pytest.raises(ValueError, match="step must be a non-negative int"):
+        fastckpt.load(got, root, step=step)
+    assert fastckpt.load(got, root, step=np.int64(5)) == 5  # (an integer type: taken)
+    assert torch.equal(got["w"], torch.arange(100, dtype=torch.float32) + 2)

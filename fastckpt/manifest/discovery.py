@@ -11,6 +11,7 @@ import errno
 import json
 import logging
 import math
+import operator
 import re
 import time
 from typing import Callable, Iterator, Optional, Union
@@ -186,6 +187,11 @@ def find_step(storage: Storage, step: int | None = None, *,
     (``"listed"``: the indexes are checked present and sized, not read).
     """
     if step is not None:
+        # (a str or float made a valid step's manifest "invalid" ("it is in the directory of
+        # step 5 but says step 5"), True loaded step 1: what ``save`` refuses, refused here)
+        if isinstance(step, bool) or not hasattr(type(step), "__index__"):
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        step = operator.index(step)
         d = storage.join(fmt.step_dirname(step))
         body = read_manifest(storage, d, step=step, own=own, chunks=chunks)
         if body is None:
