@@ -115,3 +115,22 @@ def test_a_step_that_is_not_an_int_is_refused_not_called_damaged(tmp_path, step)
         fastckpt.load(got, root, step=step)
     assert fastckpt.load(got, root, step=np.int64(5)) == 5  # (an integer type: taken)
     assert torch.equal(got["w"], torch.arange(100, dtype=torch.float32) + 2)
+
+
+def test_the_holders_of_a_solo_tensor_are_counted_through_shared_tables():
+    """(rank 0, ``make_plans``) Tables sent as None (rank 0's) or named (``own_as``) count for
+    every rank that stands behind them: two pipeline stages of two ranks pass; a stage rank
+    whose table lacks one of its stage's tensors is named."""
+    from fastckpt.engine.plan import make_plans
+
+    def value(own, own_as=None):
+        return {"save_id": "s", "own": own, "own_as": own_as, "own_bytes": 0, "specs": [],
+                "error": None, "aliases": 0}
+    s0 = [["a", "float32", [4], "m0:2"]]
+    s1 = [["b", "float32", [4], "m1:2"], ["c", "float32", [2], "m1:2"]]
+    rows, plan = make_plans([value(s0), value(None), value(s1), value(None, 2)], 1)
+    assert sorted(plan.tensors) == ["a", "b", "c"]
+    with pytest.raises(fastckpt.UnsupportedStateError, match=r"'c'.*2 ranks.*rank 3 leaves"):
+        make_plans([value(s0), value(None), value(s1), value(s1[:1])], 1)
+    with pytest.raises(fastckpt.UnsupportedStateError, match=r"'a'.*2 ranks, but 1 of them"):
+        make_plans([value(s0), value([]), value(s1), value(None, 2)], 1)
