@@ -18,6 +18,8 @@ import time
 
 import pytest
 
+# (transient states too: SIGNALING, seen once between RUNNING and FAILED)
+from fastckpt.drill.slurm import SLURM_ACTIVE
 from tests.slurmcluster import slurm  # noqa: F401
 
 
@@ -73,7 +75,7 @@ sleep 300 & wait
     job = slurm.sbatch(script, tmp_path, "-o", "out.txt")
     _wait_file(tmp_path / "sig.log", "started")
     slurm.scancel(job)
-    slurm.wait(job, lambda j: j["JobState"] not in ("PENDING", "RUNNING", "COMPLETING"), 60)
+    slurm.wait(job, lambda j: j["JobState"] not in SLURM_ACTIVE, 60)
     assert _read(tmp_path / "sig.log").split() == ["started", "TERM"]
     rows = slurm.wait_sacct(job, lambda rs: any(r["JobID"] == str(job) and r["State"].startswith("CANCELLED")
                                                 for r in rs))
@@ -123,7 +125,7 @@ def test_preempted_job_that_exits_in_its_grace_time_is_not_requeued(slurm, tmp_p
     _wait_file(tmp_path / "run.log", "start restart=0")
     time.sleep(1)
     high = slurm.sbatch("#!/bin/bash\ntrue\n", tmp_path, "-p", "high", "-n", "1", "-J", "high", "-o", "high.out")
-    j = slurm.wait(low, lambda j: j["JobState"] not in ("PENDING", "RUNNING", "COMPLETING"), 60)
+    j = slurm.wait(low, lambda j: j["JobState"] not in SLURM_ACTIVE, 60)
     assert j["JobState"] == "FAILED" and j.get("Restarts", "0") == "0", j
     assert "srun-rc=143" in _read(tmp_path / "run.log")
     slurm.wait(high, "COMPLETED", 60)

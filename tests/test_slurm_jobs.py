@@ -22,6 +22,8 @@ import time
 import pytest
 import torch
 
+# (transient states too: SIGNALING, seen once between RUNNING and FAILED)
+from fastckpt.drill.slurm import SLURM_ACTIVE
 from tests.slurmcluster import slurm  # noqa: F401 - the fixture
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -154,7 +156,7 @@ def test_scancel_saves_within_killwait_and_is_not_requeued(slurm, tmp_path, refe
     slurm.scancel(job)
     rows = slurm.wait_sacct(job, lambda rows: any(
         r["State"].startswith("CANCELLED") for r in _runs(rows, job))
-        and slurm.state(job) not in ("RUNNING", "COMPLETING", "PENDING"), timeout=60)
+        and slurm.state(job) not in SLURM_ACTIVE, timeout=60)
     log = _log(root, job)
     assert [r["State"] for r in _runs(rows, job)] == ["CANCELLED by 0"], (rows, log)
     assert f"job {job} was cancelled" in log and "not requeued" in log, log
