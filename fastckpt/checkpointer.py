@@ -63,6 +63,7 @@ class Checkpointer(Engine):
         emergency checkpoint, passes a barrier and exits the process with the documented code.
         """
         if on_preempt:
+            _no_meta_on_preempt(user_meta)
             if self._preempt is None:
                 self._check_open()
                 self._install_preemption()
@@ -76,6 +77,15 @@ class Checkpointer(Engine):
 
     def __enter__(self) -> "Checkpointer":
         return self
+
+
+def _no_meta_on_preempt(user_meta: dict | None) -> None:
+    """An ``on_preempt`` save's emergency checkpoint carries ``{"preempted": True}`` as its
+    user_meta: the caller's would be dropped without a word (it was, before 2026-12-07)."""
+    if user_meta is not None:
+        raise ValueError("user_meta is not saved by save(..., on_preempt=True): its emergency "
+                         "checkpoint's user_meta is {'preempted': True}; keep such values in "
+                         "the state")
 
 
 # ------------------------------------------------------------------------------------ one-shots
@@ -103,6 +113,7 @@ def save(state: dict, path: str | os.PathLike, *, step: int, on_preempt: bool = 
     through one default Checkpointer per path kept for the process's lifetime.
     """
     if on_preempt:
+        _no_meta_on_preempt(user_meta)
         with _ON_PREEMPT_LOCK:
             ck = _ON_PREEMPT.get(str(path))
             if ck is None or ck._closed:

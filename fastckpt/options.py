@@ -8,6 +8,15 @@ import signal
 from dataclasses import dataclass, replace
 
 
+#: the longest ``commit_timeout_s``/``lease_ttl_s`` (about 31 years): the deadlines derived
+#: from them must stay within what the platform's waits and time stamps take
+MAX_TIMEOUT_S = 1e9
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True, kw_only=True)
 class CheckpointOptions:
     """How a :class:`~fastckpt.Checkpointer` saves and loads. Immutable; thread-safe.
@@ -149,19 +158,23 @@ class CheckpointOptions:
     conditional_put: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.keep_last is not None and (not isinstance(self.keep_last, int)
-                                           or self.keep_last < 1):
+        if self.keep_last is not None and (not _is_int(self.keep_last) or self.keep_last < 1):
+            # (a bool too: keep_last=True kept one step and deleted the others)
             raise ValueError(f"keep_last must be a positive int or None, got {self.keep_last!r}")
         if self.rank_indexes is not None and (not isinstance(self.rank_indexes, int)
                                               or self.rank_indexes < 1):
             raise ValueError(f"rank_indexes must be a positive int (a world size) or None, got "
                              f"{self.rank_indexes!r}")
-        if not (self.lease_ttl_s >= 1):
-            raise ValueError(f"lease_ttl_s must be >= 1 second, got {self.lease_ttl_s!r}")
+        # (past MAX_TIMEOUT_S: infinity or 1e300 passed here, then every save failed with a
+        # StorageError "timestamp out of range for platform time_t", or a raw ValueError)
+        if not (1 <= self.lease_ttl_s <= MAX_TIMEOUT_S):
+            raise ValueError(f"lease_ttl_s must be >= 1 second and at most {MAX_TIMEOUT_S:g}, "
+                             f"got {self.lease_ttl_s!r}")
         if not (self.plan_timeout_s > 0):
             raise ValueError(f"plan_timeout_s must be > 0, got {self.plan_timeout_s!r}")
-        if not (self.commit_timeout_s > 0):
-            raise ValueError(f"commit_timeout_s must be > 0, got {self.commit_timeout_s!r}")
+        if not (0 < self.commit_timeout_s <= MAX_TIMEOUT_S):
+            raise ValueError(f"commit_timeout_s must be > 0 and at most {MAX_TIMEOUT_S:g} "
+                             f"seconds, got {self.commit_timeout_s!r}")
         if self.staging_cap_bytes is not None and self.staging_cap_bytes < 0:
             raise ValueError(f"staging_cap_bytes must be >= 0 or None, got "
                              f"{self.staging_cap_bytes!r}")
@@ -211,7 +224,7 @@ class CheckpointOptions:
             raise ValueError(f"compression_threads must be a positive int or None, got "
                              f"{self.compression_threads!r}")
         if self.remote_keep_last != "same" and self.remote_keep_last is not None and (
-                not isinstance(self.remote_keep_last, int) or self.remote_keep_last < 1):
+                not _is_int(self.remote_keep_last) or self.remote_keep_last < 1):
             raise ValueError("remote_keep_last must be 'same', a positive int or None, got "
                              f"{self.remote_keep_last!r}")
         if not (self.assumed_upload_mibps > 0):

@@ -25,7 +25,8 @@ import torch
 
 from ..errors import StateMismatchError, UnsupportedStateError
 from ..manifest import schema as fmt
-from ..manifest.values import TENSOR_TAG, decode_value, encode_value, skel_items, skel_seq
+from ..manifest.values import (TENSOR_TAG, check_exact, decode_value, encode_value, skel_items,
+                               skel_seq)
 from ..manifest.values import fqn as _fqn
 from ..manifest.values import path_str as _path_str
 
@@ -224,11 +225,13 @@ def _flatten(x: Any, path: tuple, flat: Flat, modules: list) -> Any:
     if _is_optimizer(x):
         return _flatten(_optim_sd(x, modules, saving=True)[0], path, flat, modules)
     if isinstance(x, dict):
-        if all(isinstance(k, str) and not k.startswith("$") for k in x):
+        if all(type(k) is str and not k.startswith("$") for k in x):
             return {k: _flatten(v, path + (k,), flat, modules) for k, v in x.items()}
         return {"$dict": [[encode_value(k, path), _flatten(v, path + (k,), flat, modules)]
                           for k, v in x.items()]}
     if isinstance(x, (list, tuple)):
+        if isinstance(x, tuple):
+            check_exact(x, path)  # (a namedtuple would load back as a tuple)
         seq = [_flatten(v, path + (i,), flat, modules) for i, v in enumerate(x)]
         return seq if isinstance(x, list) else {"$tuple": seq}
     if not isinstance(x, (str, bytes)) and _is_stateful(x):
@@ -482,12 +485,19 @@ def _target(plan: LoadPlan, saved_fqn: str, dest: torch.Tensor) -> None:
     """Read ``saved_fqn`` into ``dest``. A tensor saved once for two tied keys: a destination
     that is tied too (the same memory) is read once; an untied second one gets a copy of the
     first after the read. A destination on the meta device has no memory to load into
-    (before 2026-12-06 such a load reported success and loaded nothing); a DTensor whose local
+    (before 2026-12-06 such a load reported success and loaded nothing), nor does one that
+    repeats its memory (stride 0: the reader's copy raised a RuntimeError); a DTensor whose local
     rows are not one box (``chunks.held_box``) would be read by torch's box of it, so it is
     refused as a save of it is."""
     if dest.device.type == "meta":
         raise StateMismatchError("the destination is on the meta device, with no memory to load "
                                  "into: materialise the model first (to_empty())", key=saved_fqn)
+    local = dest.to_local() if is_dtensor(dest) else dest
+    if local.numel() and any(st == 0 and n > 1 for n, st in zip(local.shape, local.stride())):
+        raise StateMismatchError(
+            "the destination repeats its memory along a dimension (an expand()ed tensor: "
+            "several elements are one), so no load can fill it: load into a tensor of its own "
+            "(clone() it)", key=saved_fqn)
     if is_dtensor(dest):
         from .chunks import held_box, strided
         if strided(dest) and held_box(dest) is None:

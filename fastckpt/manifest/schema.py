@@ -160,7 +160,8 @@ def decode_manifest(data: bytes, *, file: str, step: int | None = None) -> dict:
     """
     try:
         doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except ValueError as e:  # (JSONDecodeError, UnicodeDecodeError; an int of more than
+        # 4300 digits, which json refuses with a plain ValueError)
         raise CorruptCheckpointError(f"manifest is not valid JSON ({e}); the file is damaged or "
                                      "was not written by fastckpt", file=file) from e
     except RecursionError:

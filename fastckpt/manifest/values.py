@@ -26,25 +26,50 @@ def path_str(path: tuple) -> str:
     return fqn(path) if path else "<root>"
 
 
+#: the longest int a manifest holds: Python's JSON parser refuses integers of more than 4300
+#: digits (``sys.set_int_max_str_digits``), so a longer one would make the checkpoint unloadable
+MAX_INT_BITS = 14_000  # (4215 digits)
+
+#: the types a load rebuilds exactly: a value of a subclass of one of them (a namedtuple,
+#: torch.Size, an IntEnum, numpy's float64 or str_) would load back as its base type
+_EXACT = (tuple, int, float, str)
+
+
+def check_exact(x: Any, path: tuple) -> None:
+    """Refuse (naming the key path) a value of a strict subclass of tuple, int, float or str
+    other than bool: it would load back as its base type. (Dicts and lists are loaded into in
+    place, their types kept.)"""
+    if isinstance(x, _EXACT) and type(x) not in _EXACT and not isinstance(x, bool):
+        base = next(b for b in _EXACT if isinstance(x, b)).__name__
+        raise UnsupportedStateError(
+            f"cannot store a {type(x).__module__}.{type(x).__qualname__} (a subclass of {base}) "
+            f"at key path {path_str(path)!r}: it would load back as a plain {base}; convert it "
+            f"({base}(x){'' if base in ('tuple', 'str') else ', or .item()'})")
+
+
 def encode_value(x: Any, path: tuple) -> Any:
     """Encode a plain Python value as JSON data; raise UnsupportedStateError naming the path."""
+    check_exact(x, path)
     if x is None or isinstance(x, bool):
         return x
     if isinstance(x, int):
-        return int(x)
+        if x.bit_length() > MAX_INT_BITS:
+            raise UnsupportedStateError(
+                f"cannot store an int of {x.bit_length()} bits at key path {path_str(path)!r}: "
+                "JSON readers refuse integers of more than 4300 digits; store it as a str")
+        return x
     if isinstance(x, float):
-        f = float(x)
-        if math.isfinite(f):
-            return f
-        return {"$float": "nan" if math.isnan(f) else ("inf" if f > 0 else "-inf")}
+        if math.isfinite(x):
+            return x
+        return {"$float": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
     if isinstance(x, str):
-        return str(x)
+        return x
     if isinstance(x, list):
         return [encode_value(v, path + (i,)) for i, v in enumerate(x)]
     if isinstance(x, tuple):
         return {"$tuple": [encode_value(v, path + (i,)) for i, v in enumerate(x)]}
     if isinstance(x, dict):
-        if all(isinstance(k, str) and not k.startswith("$") for k in x):
+        if all(type(k) is str and not k.startswith("$") for k in x):
             return {k: encode_value(v, path + (k,)) for k, v in x.items()}
         return {"$dict": [[encode_value(k, path + ("<key>",)), encode_value(v, path + (k,))]
                           for k, v in x.items()]}
@@ -76,7 +101,9 @@ def decode_value(x: Any, tensor_for: Callable[[str], Any] | None = None) -> Any:
 
 
 def hashable_key(k: Any) -> Any:
-    return tuple(hashable_key(v) for v in k) if isinstance(k, list) else k
+    """A decoded key as a dict can hold it: lists as tuples, inside tuples too (a crafted
+    manifest's ``{"$tuple": [[1]]}`` key decoded to ``([1],)``: a raw TypeError on load)."""
+    return tuple(hashable_key(v) for v in k) if isinstance(k, (list, tuple)) else k
 
 
 def skel_items(skel: Any) -> list[tuple[Any, Any]] | None:
