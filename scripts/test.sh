@@ -13,7 +13,7 @@ else
   echo "[test] the native extension is not built: the whole suite runs on the Python I/O path"
 fi
 echo "[test] full suite, FASTCKPT_NATIVE=$native"
-FASTCKPT_NATIVE=$native python -m pytest -q -p no:cacheprovider --durations=15 "$@"
+FASTCKPT_NATIVE=$native python -m pytest -q -p no:cacheprovider --durations=30 "$@"
 if [ "$native" = require ] && [ $# -eq 0 ]; then
   echo "[test] I/O-path tests again, FASTCKPT_NATIVE=off"
   FASTCKPT_NATIVE=off python -m pytest -q -p no:cacheprovider tests/test_faults.py \

@@ -32,7 +32,9 @@ from fastckpt.manifest.discovery import find_step
 from tests.crafted import guarded, outside_calls, read_doc, write_doc, write_raw
 
 SEED = 20261201
-SAMPLE = 400  # type mutations sampled from the full cross product (about 5000)
+#: type mutations sampled from the full cross product (about 5000); FUZZ_SAMPLE=N, or "all",
+#: for a longer run
+SAMPLE = os.environ.get("FUZZ_SAMPLE", "400")
 
 ACROSS = [None, True, 0, 1, -1, 2 ** 63, -(2 ** 63), 1.5, float("nan"), "", "x", "..",
           "../x", "/etc/passwd", [], {}, [0], [[]], {"a": 1}, fmt.MANIFEST, "step-0000000001"]
@@ -123,7 +125,8 @@ def _mutations(body: dict) -> list:
                 must.append((f"{where}*2", lambda b, path=path: _get(b, path).extend(
                     copy.deepcopy(_get(b, path)))))
     rng = random.Random(SEED)
-    return must, rng.sample(sampled, min(SAMPLE, len(sampled)))
+    n = len(sampled) if SAMPLE == "all" else min(int(SAMPLE), len(sampled))
+    return must, rng.sample(sampled, n)
 
 
 def _phases(doc: dict) -> dict:
