@@ -76,7 +76,8 @@ class CheckpointOptions:
         e.g. under Slurm ``{"SIGUSR1": 95, "SIGTERM": 10}`` (``--signal=B:USR1@95``; scancel,
         the time limit and preemption give KillWait). FASTCKPT_SIGNAL_GRACE_S="SIGTERM=10,...".
     preempt: install the signal trap at construction even without ``grace_s``.
-    preempt_signals: signals that mean "preempted, save and restart me". FASTCKPT_PREEMPT_SIGNALS.
+    preempt_signals: signals that mean "preempted, save and restart me" (names; one name alone is
+        taken as a tuple of it). FASTCKPT_PREEMPT_SIGNALS.
     cancel_signals: signals that mean "save and stop for good" (exit 0), e.g. ("SIGINT",).
     preempt_consensus: "store" (out of band over the c10d store, no per-step collective) or
         "allreduce" (a gather of the stop flags on every ``on_preempt`` call).
@@ -196,6 +197,9 @@ class CheckpointOptions:
             raise ValueError("preempt_consensus must be 'store' or 'allreduce', got "
                              f"{self.preempt_consensus!r}")
         import signal as _signal
+        for field_name in ("preempt_signals", "cancel_signals"):  # one name: a tuple of it
+            if isinstance(getattr(self, field_name), str):  # (was "unknown signal 'S'")
+                object.__setattr__(self, field_name, (getattr(self, field_name),))
         for name in tuple(self.preempt_signals) + tuple(self.cancel_signals):
             if not isinstance(name, str) or not isinstance(getattr(_signal, name, None),
                                                            _signal.Signals):

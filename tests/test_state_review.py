@@ -191,3 +191,13 @@ def test_user_meta_with_on_preempt_is_refused_not_dropped(root):
         with pytest.raises(ValueError, match="user_meta"):
             ck.save(state, step=1, on_preempt=True, user_meta={"epoch": 3})
         assert ck.save(state, step=1, on_preempt=True) is None  # (no stop: nothing saved)
+
+
+def test_one_signal_name_as_a_string_is_that_signal():
+    """``preempt_signals="SIGTERM"`` was iterated letter by letter ("unknown signal 'S'"): a
+    single name is taken as a tuple of it, for both signal options."""
+    from fastckpt.options import CheckpointOptions
+    o = CheckpointOptions(preempt_signals="SIGUSR1", cancel_signals="SIGTERM")
+    assert o.preempt_signals == ("SIGUSR1",) and o.cancel_signals == ("SIGTERM",)
+    with pytest.raises(ValueError, match="unknown signal 'SIGNOPE'"):
+        CheckpointOptions(preempt_signals="SIGNOPE")
