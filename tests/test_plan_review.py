@@ -14,14 +14,7 @@ import torch
 import fastckpt
 from fastckpt.manifest import schema as fmt
 from tests.clirun import call
-
-
-def _steps(root: str, steps, keep_last=None) -> None:
-    st = {"w": torch.arange(100, dtype=torch.float32)}
-    with fastckpt.Checkpointer(root, keep_last=keep_last) as ck:
-        for s in steps:
-            st["w"].add_(1.0)
-            ck.save(st, step=s, block=True)
+from tests.test_retention_safety import _steps
 
 
 def _partial(root: str, step: int, created) -> str:
