@@ -134,6 +134,11 @@ def s3(s3_server, monkeypatch):
     guard = _LoopbackGuard()
     guard.install(monkeypatch)
 
+    # no S3FileSystem an earlier test made (cached by fsspec per options) may answer for this
+    # one: one made with no options, its endpoint from that test's environment (another
+    # server, a proxy), answered a CLI's read of this test's bucket "NoSuchBucket" in CI
+    import s3fs
+    s3fs.S3FileSystem.clear_instance_cache()
     opts = storage_options_for(endpoint)
     fs = fsspec.filesystem("s3", **opts)
     bucket = f"fastckpt-{uuid.uuid4().hex[:16]}"
