@@ -148,19 +148,27 @@ def catch_early() -> None:
 def run(cmd: tuple[str, ...], env: dict, *, events: str | None, signal_as: str | None,
         echo, requeue: bool = False) -> int:
     """Run CMD to its end; the job's exit code (see the module's docstring)."""
-    code = _run(cmd, env, events=events, signal_as=signal_as, echo=echo)
+    code, exit_t = _run(cmd, env, events=events, signal_as=signal_as, echo=echo)
     job = env.get("SLURM_JOB_ID")
     if requeue and code == EXIT_PREEMPTED:
         if job:
             from ..tools.slurm import requeue_self
-            requeue_self(job, echo)
+            requeued = requeue_self(job, echo)
+            if exit_t is not None:
+                # the requeue runs inside the window too (the job's SIGKILL ends this process,
+                # and a requeue not made by then is never made): the teardown the next runs
+                # keep out of their window covers it (before 2026-12-07 it ended at the
+                # launcher's exit, and a save filling the window left no time to requeue)
+                _record(events, {"event": "requeue", "requeued": requeued,
+                                 "teardown_s": round(max(0.0, time.time() - exit_t), 3)})
         else:
             echo("fastckpt: --requeue: not in a Slurm job (no SLURM_JOB_ID): nothing to requeue")
     return code
 
 
 def _run(cmd: tuple[str, ...], env: dict, *, events: str | None, signal_as: str | None,
-         echo) -> int:
+         echo) -> tuple[int, float | None]:
+    """(the job's exit code, the time of the ranks' last exit event, None if none logged)"""
     from ..tools.events import last_exits
     srun = is_srun(cmd) and not signal_as
     as_sig = signal.Signals[signal_as] if signal_as else (
@@ -197,17 +205,18 @@ def _run(cmd: tuple[str, ...], env: dict, *, events: str | None, signal_as: str 
     if logged is not None:
         # the ranks' (and the launcher's) teardown after their exit event: not in the grace
         # budget yet, so the window has to leave this much free (docs/preemption.md)
-        teardown = max(0.0, ended - max(float(e["t"]) for e in exits))
+        exit_t = max(float(e["t"]) for e in exits)
+        teardown = max(0.0, ended - exit_t)
         echo(f"fastckpt: {cmd[0]} exited {own}; the ranks logged a stop with exit code "
              f"{logged} (signals passed on: {names}); teardown after the exit event "
              f"{teardown:.1f} s: exiting {logged}")
         _record(events, {"event": "supervisor_exit", "code": logged, "launcher_code": own,
                          "teardown_s": round(teardown, 3), "signals": names})
-        return logged
+        return logged, exit_t
     if received:
         echo(f"fastckpt: {cmd[0]} exited {own} after signals {names}; no rank logged a stop "
              f"in {events}: exiting {own}")
-    return own
+    return own, None
 
 
 def _record(events: str | None, rec: dict) -> None:
