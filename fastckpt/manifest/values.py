@@ -31,15 +31,17 @@ def path_str(path: tuple) -> str:
 MAX_INT_BITS = 14_000  # (4215 digits)
 
 #: the types a load rebuilds exactly: a value of a subclass of one of them (a namedtuple,
-#: torch.Size, an IntEnum, numpy's float64 or str_) would load back as its base type
+#: torch.Size, an IntEnum, a str subclass) would load back as its base type. A float subclass
+#: (numpy's float64: the optimizer's lr under a schedule computed with numpy) is a float to the
+#: last bit and loads back as one: it is stored as a float, as before 2026-12-07
 _EXACT = (tuple, int, float, str)
 
 
 def check_exact(x: Any, path: tuple) -> None:
-    """Refuse (naming the key path) a value of a strict subclass of tuple, int, float or str
-    other than bool: it would load back as its base type. (Dicts and lists are loaded into in
-    place, their types kept.)"""
-    if isinstance(x, _EXACT) and type(x) not in _EXACT and not isinstance(x, bool):
+    """Refuse (naming the key path) a value of a strict subclass of tuple, int or str other
+    than bool: it would load back as its base type. (Dicts and lists are loaded into in
+    place, their types kept; a float subclass is stored as its float.)"""
+    if (isinstance(x, _EXACT) and type(x) not in _EXACT and not isinstance(x, (bool, float))):
         base = next(b for b in _EXACT if isinstance(x, b)).__name__
         raise UnsupportedStateError(
             f"cannot store a {type(x).__module__}.{type(x).__qualname__} (a subclass of {base}) "
@@ -59,6 +61,7 @@ def encode_value(x: Any, path: tuple) -> Any:
                 "JSON readers refuse integers of more than 4300 digits; store it as a str")
         return x
     if isinstance(x, float):
+        x = float(x)  # (a subclass, numpy's float64: its float)
         if math.isfinite(x):
             return x
         return {"$float": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
